@@ -1,0 +1,87 @@
+"""Pydantic models for kernel variants: what is compiled, and under which name."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Op = Literal["fwd", "bwd"]
+Arch = Literal["sm_90a", "sm_100a"]
+Layout = Literal["compact", "noncompact"]
+Backend = Literal["tilelang", "cutedsl"]
+
+#: Value head dimension: V = kv[:, :D_V] for every variant (DeepSeek MLA).
+D_V = 512
+SUPPORTED_D_QK = (512, 576)
+SUPPORTED_HEADS = (16, 32, 64, 128)
+
+
+class TileConfig(BaseModel):
+    """Tuning knobs of one kernel; ``None`` means "the kernel's default for this arch"."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    block_i: int | None = Field(None, gt=0, le=256, description="top-k slots per main-loop step")
+    num_stages: int | None = Field(None, ge=0, le=4, description="software-pipeline depth")
+    threads: int | None = Field(None, ge=128, le=512, multiple_of=128, description="threads per CTA")
+
+
+class KernelSpec(BaseModel):
+    """One compiled variant: an op for one (arch, D_qk, heads, layout, backend).
+
+    The sequence lengths and the top-k width are run-time values of every variant, so one
+    artifact serves any batch. ``softmax_scale`` and ``attn_sink`` are run-time arguments too.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    op: Op
+    arch: Arch
+    d_qk: int = Field(description="query/key head dim; V uses the first d_v columns of kv")
+    d_v: int = D_V
+    heads: int = Field(description="query heads sharing the single latent KV head")
+    layout: Layout = Field(description="compact: topk_length gives each row's valid prefix; "
+                           "noncompact: out-of-range indices (-1) mark padding anywhere")
+    dtype: Literal["bfloat16"] = "bfloat16"
+    backend: Backend = "tilelang"
+    tile: TileConfig = TileConfig()
+
+    @model_validator(mode="after")
+    def _check_supported(self) -> KernelSpec:
+        if self.d_qk not in SUPPORTED_D_QK:
+            raise ValueError(f"d_qk={self.d_qk} is not supported; use one of {SUPPORTED_D_QK}")
+        if self.d_v != D_V:
+            raise ValueError(f"d_v={self.d_v} is not supported; MLA kernels use d_v={D_V}")
+        if self.heads not in SUPPORTED_HEADS:
+            raise ValueError(f"heads={self.heads} is not supported; use one of {SUPPORTED_HEADS}")
+        return self
+
+    @property
+    def id(self) -> str:
+        """Stable readable id, e.g. ``bwd-sm_90a-d576-h64-compact-tilelang``.
+
+        A non-default tile config appends a short hash of it, so tuned variants never collide.
+        """
+        base = f"{self.op}-{self.arch}-d{self.d_qk}-h{self.heads}-{self.layout}-{self.backend}"
+        tile = self.tile.model_dump(exclude_none=True)
+        if not tile:
+            return base
+        digest = hashlib.sha256(json.dumps(tile, sort_keys=True).encode()).hexdigest()[:8]
+        return f"{base}-t{digest}"
+
+    def canonical_json(self) -> str:
+        """Canonical JSON of every field: the spec's part of a cache key."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_id(cls, spec_id: str) -> KernelSpec:
+        """Parse a default-tile id such as ``fwd-sm_90a-d576-h64-noncompact-tilelang``."""
+        parts = spec_id.split("-")
+        if len(parts) != 6 or not parts[2].startswith("d") or not parts[3].startswith("h"):
+            raise ValueError(
+                f"{spec_id!r} is not a spec id; expected <op>-<arch>-d<d_qk>-h<heads>-<layout>-<backend>")
+        op, arch, d, h, layout, backend = parts
+        return cls(op=op, arch=arch, d_qk=int(d[1:]), heads=int(h[1:]), layout=layout, backend=backend)
