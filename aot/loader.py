@@ -1,0 +1,270 @@
+"""The runtime loader: spec -> key -> artifact -> loaded kernel, with a feature-checked fallback.
+
+Lookup order for a spec, per backend in the catalog's ranking:
+  1. the read-only prebuilt roots (``DSA_AOT_PREBUILT_DIR``), then the writable cache
+     (``DSA_AOT_CACHE_DIR``), under the current toolchain fingerprint; every file is
+     sha256-checked before it is loaded, a bad entry is quarantined and counts as a miss;
+  2. on a miss: ``DSA_AOT_REQUIRE_PREBUILT=1`` raises :class:`MissingPrebuiltError`; else JIT
+     compile (unless ``DSA_AOT_JIT=0``, or the compiler or a probed feature is missing),
+     publish into the writable cache under a per-key file lock, and load;
+  3. the next backend in the ranking; finally the torch reference, with a loud warning.
+Each fallback step is logged once per process with its reason. Nothing here imports a
+compiler unless a JIT build actually runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dsa_aot import settings as _settings
+from dsa_aot.artifact import ArtifactManifest
+from dsa_aot.backends import BACKENDS, BuildError, ReferenceBackend
+from dsa_aot.cache.store import ArtifactStore, CacheError, CorruptArtifact, Entry, shared_writable_reason
+from dsa_aot.specs.models import KernelSpec
+
+log = logging.getLogger("dsa_aot")
+
+_CAPABILITY_ARCH = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
+
+
+class MissingPrebuiltError(RuntimeError):
+    """``DSA_AOT_REQUIRE_PREBUILT=1`` and no prebuilt artifact matches the call."""
+
+
+class UnsupportedDeviceError(RuntimeError):
+    """The GPU's architecture has no kernels (only sm_90a and sm_100a are built)."""
+
+
+def arch_of_capability(major: int, minor: int) -> str | None:
+    return _CAPABILITY_ARCH.get((major, minor))
+
+
+def prebuild_command(spec: KernelSpec) -> str:
+    return f"dsa-aot prebuild --arch {spec.arch} --only '{spec.id}'"
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """What the loader picked for a spec, and why (for ``dsa-aot doctor`` and logs)."""
+
+    spec: KernelSpec
+    source: str  # "prebuilt:<root>", "cache:<root>", "jit:<root>", "jit:memory", "reference"
+    reasons: tuple[str, ...] = ()
+
+
+class Loader:
+    """Resolves specs to loaded kernels. One per process (see :func:`get_loader`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._logged: set[str] = set()
+        self._toolchain = None
+        self._features = None
+        self._stores: list[ArtifactStore] | None = None
+        self._ranking: dict[str, list[str]] | None = None
+
+    # -- environment -----------------------------------------------------------------------
+    def toolchain(self):
+        if self._toolchain is None:
+            from dsa_aot.specs.toolchain import Toolchain
+
+            self._toolchain = Toolchain.current()
+        return self._toolchain
+
+    def fingerprint(self) -> str:
+        return self.toolchain().fingerprint
+
+    def stores(self) -> list[ArtifactStore]:
+        """Read-only prebuilt roots first, then the writable cache root."""
+        if self._stores is None:
+            cfg = _settings.get()
+            stores = []
+            for root in (*cfg.prebuilt_dirs, cfg.cache_dir):
+                reason = shared_writable_reason(root)
+                if reason and not cfg.allow_shared_cache:
+                    self._once(f"not loading from {root}: {reason}; fix its permissions (chmod go-w) "
+                               "or set DSA_AOT_ALLOW_SHARED_CACHE=1", logging.WARNING)
+                    continue
+                read_only = root != cfg.cache_dir
+                stores.append(ArtifactStore(root, read_only=read_only, lock_timeout_s=cfg.lock_timeout_s))
+            self._stores = stores
+        return self._stores
+
+    def writable_store(self) -> ArtifactStore | None:
+        for store in self.stores():
+            if not store.read_only and store.writable():
+                return store
+        return None
+
+    def features(self):
+        """Probed features of this toolchain (probes run once per fingerprint, on a miss only)."""
+        if self._features is None:
+            from dsa_aot.specs.probes import load_or_probe
+
+            store = self.writable_store()
+            path = (store.root / self.fingerprint() / "features.json") if store else None
+            self._features = load_or_probe(path, ["sm_90a", "sm_100a"])
+        return self._features
+
+    def ranking(self, op: str) -> list[str]:
+        if self._ranking is None:
+            from dsa_aot.specs.catalog import load_catalog
+
+            self._ranking = {k: list(v) for k, v in load_catalog().ranking.items()}
+        return [b for b in self._ranking.get(op, ["tilelang"]) if b in BACKENDS]
+
+    def reset(self) -> None:
+        """Forget everything derived from settings and the environment."""
+        with self._lock:
+            self._toolchain = self._features = self._stores = self._ranking = None
+
+    def _once(self, message: str, level: int = logging.INFO) -> None:
+        if message not in self._logged:
+            self._logged.add(message)
+            log.log(level, "dsa-aot: %s", message)
+
+    # -- lookup ------------------------------------------------------------------------------
+    def try_load(self, spec: KernelSpec, device_index: int) -> tuple[Any, str] | None:
+        """A loaded kernel from the first store holding a verified artifact, or None.
+
+        Artifact problems (missing, corrupt, unloadable) are a logged miss, never an exception.
+        """
+        toolchain = self.toolchain()
+        if not getattr(toolchain, "complete", True):
+            self._once(f"toolchain fingerprint incomplete ({toolchain.incomplete_reason}); disk cache skipped",
+                       logging.WARNING)
+            return None
+        for store in self.stores():
+            entry = store.lookup(toolchain.fingerprint, spec.arch, spec.id)
+            if entry is None:
+                continue
+            kernel = self._load_entry(store, entry, device_index)
+            if kernel is not None:
+                kind = "prebuilt" if store.read_only else "cache"
+                return kernel, f"{kind}:{store.root}"
+        return None
+
+    def _load_entry(self, store: ArtifactStore, entry: Entry, device_index: int) -> Any | None:
+        try:
+            manifest = ArtifactManifest.model_validate(entry.meta.payload)
+            backend = BACKENDS[manifest.spec.backend]
+            kernel = backend.load(manifest, lambda name: store.read_file(entry, name), device_index)
+        except CorruptArtifact as exc:
+            store.quarantine(entry, str(exc))
+            self._once(f"refused {entry.key}: {exc}", logging.WARNING)
+            return None
+        except Exception as exc:  # an unloadable artifact is a miss, not a crash
+            self._once(f"could not load {entry.key}: {exc}", logging.WARNING)
+            return None
+        store.record_hit(entry)
+        return kernel
+
+    def build_and_load(self, spec: KernelSpec, device_index: int) -> tuple[Any, str]:
+        """JIT: compile ``spec``, publish it (under the key's lock), load it. Raises BuildError."""
+        backend = BACKENDS[spec.backend]
+        store = self.writable_store()
+        fingerprint = self.fingerprint()
+        if store is None:
+            self._once(f"no writable cache root; {spec.id} is compiled in memory only", logging.WARNING)
+            built = backend.build(spec, fingerprint)
+            return backend.load(built.manifest, built.files.__getitem__, device_index), "jit:memory"
+        with store.lock(fingerprint, spec.arch, spec.id):
+            entry = store.lookup(fingerprint, spec.arch, spec.id)  # another process may have won
+            if entry is not None:
+                kernel = self._load_entry(store, entry, device_index)
+                if kernel is not None:
+                    return kernel, f"cache:{store.root}"
+            self._once(f"JIT compiling {spec.id} (run `{prebuild_command(spec)}` at image build time to avoid this)")
+            built = backend.build(spec, fingerprint)
+            try:
+                entry = store.publish(fingerprint, spec.arch, spec.id, built.files,
+                                      built.manifest.model_dump(mode="json"))
+            except (OSError, CacheError) as exc:
+                self._once(f"could not store {spec.id} in {store.root}: {exc}; using it from memory",
+                           logging.WARNING)
+                return backend.load(built.manifest, built.files.__getitem__, device_index), "jit:memory"
+        return backend.load(built.manifest, lambda n: store.read_file(entry, n), device_index), f"jit:{store.root}"
+
+    def resolve(self, op: str, arch: str, d_qk: int, heads: int, layout: str, device_index: int) -> tuple[Any, Resolution]:
+        """The kernel to run for one call shape, walking the fallback chain."""
+        with self._lock:
+            cfg = _settings.get()
+            reasons: list[str] = []
+            first_spec = None
+            for backend_name in self.ranking(op):
+                backend = BACKENDS[backend_name]
+                if not backend.implements(op):
+                    continue
+                spec = KernelSpec(op=op, arch=arch, d_qk=d_qk, heads=heads, layout=layout, backend=backend_name)
+                first_spec = first_spec or spec
+                hit = self.try_load(spec, device_index)
+                if hit is not None:
+                    return hit[0], Resolution(spec, hit[1], tuple(reasons))
+                if cfg.require_prebuilt:
+                    raise MissingPrebuiltError(
+                        f"no prebuilt artifact for {spec.id} (toolchain {self.fingerprint()}) in "
+                        f"{[str(s.root) for s in self.stores()]}; DSA_AOT_REQUIRE_PREBUILT=1 forbids compiling "
+                        f"at run time. Fix: run `{prebuild_command(spec)}` in the image build "
+                        f"(same toolchain), or unset DSA_AOT_REQUIRE_PREBUILT.")
+                reason = self._jit_blocker(spec)
+                if reason is None:
+                    try:
+                        kernel, source = self.build_and_load(spec, device_index)
+                        return kernel, Resolution(spec, source, tuple(reasons))
+                    except (BuildError, OSError, CacheError, TimeoutError) as exc:
+                        reason = f"JIT build of {spec.id} failed: {exc}"
+                reasons.append(reason)
+                self._once(f"{spec.id}: {reason}; trying the next backend", logging.WARNING)
+            spec = first_spec or KernelSpec(op=op, arch=arch, d_qk=d_qk, heads=heads, layout=layout)
+            message = (f"no compiled kernel for {spec.id} ({'; '.join(reasons) or 'no backend'}); "
+                       "falling back to the slow torch reference. "
+                       f"Run `{prebuild_command(spec)}` to fix.")
+            if message not in self._logged:
+                self._logged.add(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
+                log.warning("dsa-aot: %s", message)
+            return ReferenceBackend.kernel(op), Resolution(spec, "reference", tuple(reasons))
+
+    def _jit_blocker(self, spec: KernelSpec) -> str | None:
+        if not _settings.get().jit:
+            return "not prebuilt and DSA_AOT_JIT=0"
+        backend = BACKENDS[spec.backend]
+        reason = backend.can_build()
+        if reason:
+            return f"not prebuilt and cannot JIT: {reason}"
+        try:
+            features = self.features()
+        except Exception as exc:
+            return f"feature probes failed: {exc}"
+        return backend.unsupported_reason(spec, features)
+
+
+_LOADER: Loader | None = None
+_LOADER_LOCK = threading.Lock()
+
+
+def get_loader() -> Loader:
+    global _LOADER
+    if _LOADER is None:
+        with _LOADER_LOCK:
+            if _LOADER is None:
+                _LOADER = Loader()
+    return _LOADER
+
+
+def _on_settings_change() -> None:
+    if _LOADER is not None:
+        _LOADER.reset()
+
+
+_settings.on_change(_on_settings_change)
+
+
+def cache_roots() -> list[Path]:
+    cfg = _settings.get()
+    return [*cfg.prebuilt_dirs, cfg.cache_dir]

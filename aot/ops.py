@@ -1,0 +1,149 @@
+"""The public API: sparse MLA forward and backward, and a differentiable op.
+
+Each call validates its inputs, then looks its kernel up in a per-process dict keyed by
+(op, device, D_qk, heads, layout); only the first call of a key goes to the loader.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from dsa_aot import settings as _settings
+from dsa_aot.backends import ReferenceBackend
+from dsa_aot.loader import UnsupportedDeviceError, arch_of_capability, get_loader
+from dsa_aot.validate import check_bwd, check_fwd
+
+_KERNELS: dict[tuple, object] = {}
+_SINKS: dict[tuple, torch.Tensor] = {}
+_LOCK = threading.Lock()
+
+
+def _clear() -> None:
+    _KERNELS.clear()
+
+
+_settings.on_change(_clear)
+
+
+def _kernel(op: str, device: torch.device, d_qk: int, heads: int, layout: str):
+    key = (op, device.index, d_qk, heads, layout)
+    kernel = _KERNELS.get(key)
+    if kernel is not None:
+        return kernel
+    with _LOCK:
+        kernel = _KERNELS.get(key)
+        if kernel is None:
+            if device.type != "cuda":
+                kernel = ReferenceBackend.kernel(op)
+            else:
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                major, minor = torch.cuda.get_device_capability(index)
+                arch = arch_of_capability(major, minor)
+                if arch is None:
+                    raise UnsupportedDeviceError(
+                        f"GPU {torch.cuda.get_device_name(index)} is sm_{major}{minor}; dsa-aot kernels are built "
+                        "for sm_90a (Hopper) and sm_100a (Blackwell B200/GB200)")
+                kernel, _ = get_loader().resolve(op, arch, d_qk, heads, layout, index)
+            _KERNELS[key] = kernel
+    return kernel
+
+
+def _sink(attn_sink: torch.Tensor | None, heads: int, device: torch.device) -> torch.Tensor:
+    if attn_sink is not None:
+        return attn_sink
+    key = (device, heads)
+    sink = _SINKS.get(key)
+    if sink is None:
+        sink = _SINKS[key] = torch.full((heads,), float("-inf"), dtype=torch.float32, device=device)
+    return sink
+
+
+def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, *,
+                   topk_length: torch.Tensor | None = None, attn_sink: torch.Tensor | None = None,
+                   softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA forward.
+
+    q [S_q, H, D_qk] bf16, kv [S_kv, D_qk] bf16, topk_idxs [S_q, K] int32 (global rows of kv;
+    out-of-range entries such as -1 are padding), topk_length [S_q] int32 (compact layout:
+    only the first clamp(len, 0, K) slots count), attn_sink [H] fp32.
+    Returns out [S_q, H, 512] bf16 and lse [S_q, H] fp32 (natural log, sink excluded,
+    +inf for rows with no valid slot).
+    """
+    layout, scale = check_fwd(q, kv, topk_idxs, topk_length, attn_sink, softmax_scale)
+    kernel = _kernel("fwd", q.device, q.shape[2], q.shape[1], layout)
+    return kernel(q, kv, topk_idxs, topk_length, _sink(attn_sink, q.shape[1], q.device), scale)
+
+
+def sparse_mla_bwd(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+                   lse: torch.Tensor, topk_idxs: torch.Tensor, *, topk_length: torch.Tensor | None = None,
+                   attn_sink: torch.Tensor | None = None, softmax_scale: float | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Sparse MLA backward from the forward's ``out`` and ``lse``.
+
+    Returns dq [S_q, H, D_qk] bf16, dkv [S_kv, D_qk] bf16 and d_sink [H] fp32 (None when
+    ``attn_sink`` is None).
+    """
+    layout, scale = check_bwd(q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, softmax_scale)
+    kernel = _kernel("bwd", q.device, q.shape[2], q.shape[1], layout)
+    dq, dkv, d_sink = kernel(q, kv, out, dout, lse, topk_idxs, topk_length,
+                             _sink(attn_sink, q.shape[1], q.device), scale)
+    return dq, dkv, (d_sink if attn_sink is not None else None)
+
+
+# -- torch.library custom ops (torch.compile / CUDA graphs) and autograd ----------------------
+@torch.library.custom_op("dsa_aot::sparse_mla_fwd", mutates_args=())
+def _fwd_op(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, topk_length: torch.Tensor | None,
+            attn_sink: torch.Tensor | None, softmax_scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return sparse_mla_fwd(q, kv, topk_idxs, topk_length=topk_length, attn_sink=attn_sink,
+                          softmax_scale=softmax_scale)
+
+
+@_fwd_op.register_fake
+def _(q, kv, topk_idxs, topk_length, attn_sink, softmax_scale):
+    s_q, heads, _ = q.shape
+    return q.new_empty((s_q, heads, 512)), q.new_empty((s_q, heads), dtype=torch.float32)
+
+
+@torch.library.custom_op("dsa_aot::sparse_mla_bwd", mutates_args=())
+def _bwd_op(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+            topk_idxs: torch.Tensor, topk_length: torch.Tensor | None, attn_sink: torch.Tensor | None,
+            softmax_scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dkv, d_sink = sparse_mla_bwd(q, kv, out, dout, lse, topk_idxs, topk_length=topk_length,
+                                     attn_sink=attn_sink, softmax_scale=softmax_scale)
+    if d_sink is None:
+        d_sink = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device)
+    return dq, dkv, d_sink
+
+
+@_bwd_op.register_fake
+def _(q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, softmax_scale):
+    return (torch.empty_like(q), torch.empty_like(kv),
+            q.new_empty((q.shape[1],), dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    q, kv, topk_idxs, topk_length, attn_sink, softmax_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, kv, topk_idxs, topk_length, attn_sink, out, lse)
+    ctx.softmax_scale = softmax_scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, dlse):
+    q, kv, topk_idxs, topk_length, attn_sink, out, lse = ctx.saved_tensors
+    dq, dkv, d_sink = _bwd_op(q, kv, out, dout.contiguous(), lse, topk_idxs, topk_length, attn_sink,
+                              ctx.softmax_scale)
+    return dq, dkv, None, None, (d_sink if attn_sink is not None else None), None
+
+
+torch.library.register_autograd("dsa_aot::sparse_mla_fwd", _backward, setup_context=_setup_context)
+
+
+def sparse_mla(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, *,
+               topk_length: torch.Tensor | None = None, attn_sink: torch.Tensor | None = None,
+               softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable sparse MLA: (out, lse); gradients flow to q, kv and attn_sink (lse is not
+    differentiable). Works under torch.compile and CUDA graph capture once kernels are loaded."""
+    return _fwd_op(q, kv, topk_idxs, topk_length, attn_sink, softmax_scale)

@@ -1,0 +1,99 @@
+"""Callables that run a loaded artifact on torch tensors (the per-call path)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from dsa_aot.launch import CubinKernel
+from dsa_aot.specs.models import D_V, KernelSpec
+
+
+class FwdKernel(ABC):
+    @abstractmethod
+    def __call__(self, q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor,
+                 topk_length: torch.Tensor | None, attn_sink: torch.Tensor, softmax_scale: float,
+                 ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class BwdKernel(ABC):
+    @abstractmethod
+    def __call__(self, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+                 lse: torch.Tensor, topk_idxs: torch.Tensor, topk_length: torch.Tensor | None,
+                 attn_sink: torch.Tensor, softmax_scale: float,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class CubinFwd(FwdKernel):
+    def __init__(self, kernel: CubinKernel, spec: KernelSpec) -> None:
+        self.kernel = kernel
+        self.spec = spec
+
+    def __call__(self, q, kv, topk_idxs, topk_length, attn_sink, softmax_scale):
+        s_q, heads, _ = q.shape
+        out = torch.empty((s_q, heads, D_V), dtype=torch.bfloat16, device=q.device)
+        lse = torch.empty((s_q, heads), dtype=torch.float32, device=q.device)
+        self.kernel.launch(torch.cuda.current_stream(q.device).cuda_stream, {
+            "q": q.data_ptr(), "kv": kv.data_ptr(), "topk_idxs": topk_idxs.data_ptr(),
+            "topk_length": _ptr(topk_length), "attn_sink": attn_sink.data_ptr(),
+            "out": out.data_ptr(), "lse": lse.data_ptr(), "softmax_scale": softmax_scale,
+            "s_q": s_q, "s_kv": kv.shape[0], "topk": topk_idxs.shape[1]})
+        return out, lse
+
+
+class CubinBwd(BwdKernel):
+    def __init__(self, pre: CubinKernel, main: CubinKernel, post: CubinKernel, spec: KernelSpec) -> None:
+        self.pre, self.main, self.post = pre, main, post
+        self.spec = spec
+
+    def __call__(self, q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, softmax_scale):
+        s_q, heads, d_qk = q.shape
+        s_kv = kv.shape[0]
+        dev = q.device
+        delta = torch.empty((s_q, heads), dtype=torch.float32, device=dev)
+        lse_sink = torch.empty((s_q, heads), dtype=torch.float32, device=dev)
+        d_sink = torch.zeros((heads,), dtype=torch.float32, device=dev)
+        dq = torch.empty_like(q)
+        dkv_acc = torch.zeros((s_kv, d_qk), dtype=torch.float32, device=dev)
+        dkv = torch.empty((s_kv, d_qk), dtype=torch.bfloat16, device=dev)
+        args = {"q": q.data_ptr(), "kv": kv.data_ptr(), "out": out.data_ptr(), "dout": dout.data_ptr(),
+                "lse": lse.data_ptr(), "topk_idxs": topk_idxs.data_ptr(), "topk_length": _ptr(topk_length),
+                "attn_sink": attn_sink.data_ptr(), "delta": delta.data_ptr(), "lse_sink": lse_sink.data_ptr(),
+                "d_sink": d_sink.data_ptr(), "dq": dq.data_ptr(), "dkv_acc": dkv_acc.data_ptr(),
+                "dkv": dkv.data_ptr(), "softmax_scale": softmax_scale,
+                "s_q": s_q, "s_kv": s_kv, "topk": topk_idxs.shape[1]}
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        self.pre.launch(stream, args)
+        self.main.launch(stream, args)
+        self.post.launch(stream, args)
+        return dq, dkv, d_sink
+
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float32 if t.is_cuda else torch.float64
+
+
+class ReferenceFwd(FwdKernel):
+    def __call__(self, q, kv, topk_idxs, topk_length, attn_sink, softmax_scale):
+        from dsa_aot.kernels.reference import sparse_mla_fwd_ref
+
+        out, lse = sparse_mla_fwd_ref(q, kv, topk_idxs, topk_length, attn_sink, softmax_scale,
+                                      compute_dtype=_compute_dtype(q))
+        return out.to(torch.bfloat16), lse.to(torch.float32)
+
+
+class ReferenceBwd(BwdKernel):
+    def __call__(self, q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, softmax_scale):
+        from dsa_aot.kernels.reference import sparse_mla_bwd_ref
+
+        dq, dkv, d_sink = sparse_mla_bwd_ref(q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink,
+                                             softmax_scale, compute_dtype=_compute_dtype(q))
+        if d_sink is None:
+            d_sink = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device)
+        return dq.to(torch.bfloat16), dkv.to(torch.bfloat16), d_sink.to(torch.float32)

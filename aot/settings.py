@@ -1,0 +1,156 @@
+"""Every ``DSA_AOT_*`` environment variable, typed, in one place.
+
+Read through :func:`get`; tests override with :func:`scope`. Values are parsed once per
+process (and again after :func:`scope` or :func:`reload`), never on the per-call hot path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+ARCHS = ("sm_90a", "sm_100a")
+
+
+class SettingsError(ValueError):
+    """An environment variable holds a value we cannot use; the message names it."""
+
+
+def _bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"{name}={raw!r} is not a boolean; use 1 or 0")
+
+
+def _float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not a number") from None
+    if value < 0:
+        raise SettingsError(f"{name}={raw!r} must be >= 0")
+    return value
+
+
+def _size(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    text = raw.strip().lower().rstrip("b")
+    mult = units.get(text[-1:], 1)
+    digits = text[:-1] if text[-1:] in units else text
+    try:
+        return int(float(digits) * mult)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not a size; use bytes or e.g. 20G") from None
+
+
+def _archs(name: str) -> tuple[str, ...] | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    archs = tuple(a for a in raw.replace(",", " ").split() if a)
+    for arch in archs:
+        if arch not in ARCHS:
+            raise SettingsError(f"{name}={raw!r}: unknown arch {arch!r}; use {', '.join(ARCHS)}")
+    return archs
+
+
+def _default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dsa-aot"
+
+
+@dataclass(frozen=True)
+class Settings:
+    #: Writable cache root (JIT results, ``make prebuild`` output). ``DSA_AOT_CACHE_DIR``.
+    cache_dir: Path = field(default_factory=_default_cache_dir)
+    #: Read-only prebuilt roots searched before ``cache_dir`` (an image layer).
+    #: ``DSA_AOT_PREBUILT_DIR``, ``os.pathsep``-separated.
+    prebuilt_dirs: tuple[Path, ...] = ()
+    #: Compile a missing variant at run time. ``DSA_AOT_JIT`` (default 1).
+    jit: bool = True
+    #: Any miss is an error naming the ``dsa-aot prebuild`` command. ``DSA_AOT_REQUIRE_PREBUILT``.
+    require_prebuilt: bool = False
+    #: Archs to prebuild. ``DSA_AOT_ARCH_LIST`` (e.g. ``sm_90a,sm_100a``); None = auto.
+    arch_list: tuple[str, ...] | None = None
+    #: Seconds a builder waits for another builder of the same key. ``DSA_AOT_LOCK_TIMEOUT``.
+    lock_timeout_s: float = 900.0
+    #: Size ``dsa-aot gc`` trims the writable cache to. ``DSA_AOT_CACHE_MAX_BYTES`` (e.g. 20G).
+    cache_max_bytes: int = 20 << 30
+    #: Allow loading from a cache root other users can write to. ``DSA_AOT_ALLOW_SHARED_CACHE``.
+    allow_shared_cache: bool = False
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        cache = os.environ.get("DSA_AOT_CACHE_DIR")
+        prebuilt = os.environ.get("DSA_AOT_PREBUILT_DIR", "")
+        return cls(
+            cache_dir=Path(cache).expanduser() if cache else _default_cache_dir(),
+            prebuilt_dirs=tuple(Path(p).expanduser() for p in prebuilt.split(os.pathsep) if p),
+            jit=_bool("DSA_AOT_JIT", True),
+            require_prebuilt=_bool("DSA_AOT_REQUIRE_PREBUILT", False),
+            arch_list=_archs("DSA_AOT_ARCH_LIST"),
+            lock_timeout_s=_float("DSA_AOT_LOCK_TIMEOUT", 900.0),
+            cache_max_bytes=_size("DSA_AOT_CACHE_MAX_BYTES", 20 << 30),
+            allow_shared_cache=_bool("DSA_AOT_ALLOW_SHARED_CACHE", False),
+        )
+
+
+_current: Settings | None = None
+_listeners: list = []
+
+
+def get() -> Settings:
+    """The process's settings (parsed from the environment on first use)."""
+    global _current
+    if _current is None:
+        _current = Settings.from_env()
+    return _current
+
+
+def on_change(callback) -> None:
+    """Register ``callback()`` to run whenever settings change (caches drop their state)."""
+    _listeners.append(callback)
+
+
+def reload() -> Settings:
+    """Re-read the environment (after it changed in-process)."""
+    global _current
+    _current = Settings.from_env()
+    for callback in _listeners:
+        callback()
+    return _current
+
+
+@contextlib.contextmanager
+def scope(**overrides: object) -> Iterator[Settings]:
+    """Temporarily replace settings fields, e.g. ``with scope(jit=False): ...``."""
+    global _current
+    names = {f.name for f in fields(Settings)}
+    unknown = set(overrides) - names
+    if unknown:
+        raise TypeError(f"unknown settings {sorted(unknown)}; known: {sorted(names)}")
+    previous = get()
+    _current = replace(previous, **overrides)
+    for callback in _listeners:
+        callback()
+    try:
+        yield _current
+    finally:
+        _current = previous
+        for callback in _listeners:
+            callback()

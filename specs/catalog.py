@@ -1,0 +1,73 @@
+"""The spec catalog: a TOML file that expands to the list of variants to prebuild."""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import tomllib
+from importlib import resources
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsa_aot.specs.models import Arch, Backend, KernelSpec, Layout, Op, TileConfig
+
+
+class MatrixBlock(BaseModel):
+    """One ``[[matrix]]`` table: the cross product of its lists."""
+
+    model_config = ConfigDict(extra="forbid")
+    ops: list[Op]
+    archs: list[Arch]
+    d_qk: list[int]
+    heads: list[int]
+    layouts: list[Layout]
+    backends: list[Backend] = ["tilelang"]
+    tile: TileConfig = TileConfig()
+
+
+class Catalog(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    matrix: list[MatrixBlock] = Field(min_length=1)
+    ranking: dict[Op, list[Backend]] = {"fwd": ["tilelang"], "bwd": ["tilelang"]}
+
+    def specs(self, implemented: set[tuple[str, str]] | None = None) -> list[KernelSpec]:
+        """Every spec, deduplicated, in catalog order; ``implemented`` = {(backend, op)} filter."""
+        seen: dict[str, KernelSpec] = {}
+        for block in self.matrix:
+            for op, arch, d, h, layout, backend in itertools.product(
+                    block.ops, block.archs, block.d_qk, block.heads, block.layouts, block.backends):
+                if implemented is not None and (backend, op) not in implemented:
+                    continue
+                spec = KernelSpec(op=op, arch=arch, d_qk=d, heads=h, layout=layout,
+                                  backend=backend, tile=block.tile)
+                seen.setdefault(spec.id, spec)
+        return list(seen.values())
+
+
+def default_catalog_path() -> Path:
+    return Path(str(resources.files("dsa_aot.specs").joinpath("catalog.toml")))
+
+
+def load_catalog(path: Path | str | None = None) -> Catalog:
+    """Parse and validate a catalog file (the packaged default when ``path`` is None)."""
+    path = Path(path) if path is not None else default_catalog_path()
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"catalog {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"catalog {path} is not valid TOML: {exc}") from None
+    return Catalog.model_validate(data)
+
+
+def select(specs: list[KernelSpec], *, archs: list[str] | None = None, only: list[str] | None = None,
+           shard: tuple[int, int] | None = None) -> list[KernelSpec]:
+    """Filter by arch and by ``--only`` globs on the id, then keep shard ``i`` of ``n`` (1-based)."""
+    out = [s for s in specs if archs is None or s.arch in archs]
+    if only:
+        out = [s for s in out if any(fnmatch.fnmatchcase(s.id, pat) for pat in only)]
+    if shard is not None:
+        i, n = shard
+        out = [s for k, s in enumerate(out) if k % n == i - 1]
+    return out
