@@ -136,7 +136,8 @@ class Loader:
         """
         toolchain = self.toolchain()
         if not getattr(toolchain, "complete", True):
-            self._once(f"toolchain fingerprint incomplete ({toolchain.incomplete_reason}); disk cache skipped",
+            why = "; ".join(toolchain.incomplete_reasons)
+            self._once(f"toolchain fingerprint incomplete ({why}); disk cache skipped",
                        logging.WARNING)
             return None
         for store in self.stores():

@@ -128,7 +128,7 @@ def prebuild(*, archs: list[str] | None = None, only: list[str] | None = None,
     cfg = _settings.get()
     toolchain = Toolchain.current()
     if not getattr(toolchain, "complete", True):
-        raise RuntimeError(f"cannot key the cache: {toolchain.incomplete_reason}")
+        raise RuntimeError("cannot key the cache: " + "; ".join(toolchain.incomplete_reasons))
     fingerprint = toolchain.fingerprint
     store = ArtifactStore(root or cfg.cache_dir, lock_timeout_s=cfg.lock_timeout_s)
     if not store.writable():

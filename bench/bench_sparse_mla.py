@@ -1,0 +1,105 @@
+"""Time dsa-aot's sparse MLA forward and backward on the GPU, beside the cuDNN frontend's
+DSA backward (the peer) on the same inputs in the same process.
+
+    python bench/bench_sparse_mla.py --out bench/results/h200.json
+
+Writes the JSON records and a Markdown table (same name, .md) with command, GPU,
+toolchain and date. Our kernels come through the public API, so the artifact that runs is
+the one the loader picks (set DSA_AOT_REQUIRE_PREBUILT=1 to be sure it is prebuilt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bwd_flops, environment, fwd_flops, make_inputs, time_cuda  # noqa: E402
+
+import dsa_aot  # noqa: E402
+
+BWD_SHAPES = [(4096, 8192, 64, 576, 2048), (4096, 8192, 128, 512, 1024)]
+FWD_SHAPES = [(4096, 8192, 64, 576, 2048), (4096, 8192, 128, 576, 2048), (4096, 8192, 128, 512, 1024)]
+
+
+def peer_bwd():
+    try:
+        from cudnn.deepseek_sparse_attention.sparse_attention_backward.api import (
+            sparse_attention_backward_wrapper)
+    except Exception as exc:  # the peer is optional
+        print(f"peer unavailable: {exc}", file=sys.stderr)
+        return None
+    return sparse_attention_backward_wrapper
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("bench/results/h200.json"))
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args()
+    env = environment()
+    records = []
+    peer = peer_bwd()
+    for s_q, s_kv, h, d, k in FWD_SHAPES:
+        x = make_inputs(s_q, s_kv, h, d, k)
+        ms = time_cuda(lambda: dsa_aot.sparse_mla_fwd(x["q"], x["kv"], x["topk_idxs"], attn_sink=x["attn_sink"]),
+                       reps=args.reps)
+        tf = fwd_flops(s_q, h, k, d) / ms / 1e9
+        records.append({"op": "fwd", "backend": "dsa-aot/tilelang", "s_q": s_q, "s_kv": s_kv, "heads": h,
+                        "d_qk": d, "topk": k, "ms": round(ms, 4), "tflops": round(tf, 1),
+                        "peer": None, "peer_ms": None, "ratio": None, "date": env["date"]})
+        print(f"fwd  h{h} d{d} k{k}: {ms:.3f} ms {tf:.0f} TFLOPS", flush=True)
+    for s_q, s_kv, h, d, k in BWD_SHAPES:
+        x = make_inputs(s_q, s_kv, h, d, k)
+        out, lse = dsa_aot.sparse_mla_fwd(x["q"], x["kv"], x["topk_idxs"], attn_sink=x["attn_sink"])
+
+        def ours():
+            return dsa_aot.sparse_mla_bwd(x["q"], x["kv"], out, x["dout"], lse, x["topk_idxs"],
+                                          attn_sink=x["attn_sink"])
+
+        ms = time_cuda(ours, reps=args.reps)
+        tf = bwd_flops(s_q, h, k, d) / ms / 1e9
+        rec = {"op": "bwd", "backend": "dsa-aot/tilelang", "s_q": s_q, "s_kv": s_kv, "heads": h, "d_qk": d,
+               "topk": k, "ms": round(ms, 4), "tflops": round(tf, 1), "peer": None, "peer_ms": None,
+               "ratio": None, "date": env["date"]}
+        if peer is not None:
+            def theirs():
+                return peer(x["q"], x["kv"], out, x["dout"], lse, x["attn_sink"], x["topk_idxs"])
+            res = theirs()  # JIT compile happens here
+            mine = ours()
+            agree = {n: rel(m, res[n]) for n, m in zip(("dq", "dkv", "d_sink"), mine)}
+            pms = time_cuda(theirs, reps=args.reps)
+            rec.update(peer="cudnn-frontend sparse_attention_backward_wrapper", peer_ms=round(pms, 4),
+                       ratio=round(pms / ms, 3), agreement_rel_err={k: round(v, 5) for k, v in agree.items()})
+        records.append(rec)
+        print(f"bwd  h{h} d{d} k{k}: {ms:.3f} ms {tf:.0f} TFLOPS  peer {rec['peer_ms']} ms  "
+              f"ours/peer speed {rec['ratio']}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(records, indent=1) + "\n")
+    cmd = "python bench/bench_sparse_mla.py --out " + str(args.out)
+    lines = [f"# Sparse MLA on {env['gpu']}", "",
+             f"Command: `{cmd}`  ", f"Date: {env['date']}  ",
+             "Toolchain: " + ", ".join(f"{k} {v}" for k, v in env.items() if k not in ("gpu", "date")), "",
+             "| op | S_q | S_kv | H | D_qk | K | dsa-aot ms | TFLOPS | peer ms | peer TFLOPS | ratio (peer ms / ours) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        flops = (fwd_flops if r["op"] == "fwd" else bwd_flops)(r["s_q"], r["heads"], r["topk"], r["d_qk"])
+        ptf = f"{flops / r['peer_ms'] / 1e9:.0f}" if r["peer_ms"] else "-"
+        lines.append(f"| {r['op']} | {r['s_q']} | {r['s_kv']} | {r['heads']} | {r['d_qk']} | {r['topk']} | "
+                     f"{r['ms']:.3f} | {r['tflops']:.0f} | {r['peer_ms'] or '-'} | {ptf} | {r['ratio'] or '-'} |")
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[-len(records) - 2:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

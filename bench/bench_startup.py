@@ -1,0 +1,111 @@
+"""Cold-start and dispatch cost of a prebuilt hit, beside the JIT compile time it replaces.
+
+    DSA_AOT_PREBUILT_DIR=<prebuilt cache> DSA_AOT_REQUIRE_PREBUILT=1 python bench/bench_startup.py
+
+1. fresh process: time from the first ``sparse_mla_fwd`` call to its result (a prebuilt hit:
+   fingerprint, lookup, sha256 check, module load, launch), and which compiler modules got
+   imported (none may be);
+2. per-call dispatch overhead of ``sparse_mla_fwd`` over the raw cubin launch, on a tiny shape;
+3. the JIT compile time of the same variant, read from the artifact's manifest (it was
+   measured when the artifact was built).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+CHILD = textwrap.dedent("""
+    import json, sys, time
+    t0 = time.perf_counter()
+    import torch
+    t1 = time.perf_counter()
+    import dsa_aot
+    t2 = time.perf_counter()
+    q = torch.randn(64, 64, 576, device="cuda").to(torch.bfloat16)
+    kv = torch.randn(4096, 576, device="cuda").to(torch.bfloat16)
+    idx = torch.randint(0, 4096, (64, 2048), device="cuda", dtype=torch.int32)
+    torch.cuda.synchronize()
+    t3 = time.perf_counter()
+    out, lse = dsa_aot.sparse_mla_fwd(q, kv, idx)
+    torch.cuda.synchronize()
+    t4 = time.perf_counter()
+    out, lse = dsa_aot.sparse_mla_fwd(q, kv, idx)
+    torch.cuda.synchronize()
+    t5 = time.perf_counter()
+    mods = sorted(m for m in sys.modules if m.split(".")[0] in ("tilelang", "tvm", "tvm_ffi", "cutlass"))
+    print(json.dumps({"import_torch_ms": (t1 - t0) * 1e3, "import_dsa_aot_ms": (t2 - t1) * 1e3,
+                      "first_call_ms": (t4 - t3) * 1e3, "second_call_ms": (t5 - t4) * 1e3,
+                      "compiler_modules_imported": mods, "finite": bool(torch.isfinite(out.float()).all())}))
+""")
+
+
+def dispatch_overhead(n: int = 20000) -> dict[str, float]:
+    import torch
+
+    import dsa_aot
+    from dsa_aot import ops
+
+    q = torch.randn(1, 64, 576, device="cuda").to(torch.bfloat16)
+    kv = torch.randn(256, 576, device="cuda").to(torch.bfloat16)
+    idx = torch.randint(0, 256, (1, 64), device="cuda", dtype=torch.int32)
+    dsa_aot.sparse_mla_fwd(q, kv, idx)
+    kernel = ops._KERNELS[("fwd", q.device.index, 576, 64, "noncompact")]
+    raw = kernel.kernel
+    sink = ops._sink(None, 64, q.device)
+    out = torch.empty(1, 64, 512, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(1, 64, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    args = {"q": q.data_ptr(), "kv": kv.data_ptr(), "topk_idxs": idx.data_ptr(), "topk_length": 0,
+            "attn_sink": sink.data_ptr(), "out": out.data_ptr(), "lse": lse.data_ptr(),
+            "softmax_scale": 576 ** -0.5, "s_q": 1, "s_kv": 256, "topk": 64}
+
+    def loop(fn):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / n * 1e6
+
+    results = {}
+    for _ in range(2):  # second round is the measurement
+        results = {"raw_launch_us": loop(lambda: raw.launch(stream, args)),
+                   "raw_launch_plus_alloc_us": loop(lambda: (torch.empty(1, 64, 512, device="cuda", dtype=torch.bfloat16),
+                                                            torch.empty(1, 64, device="cuda"),
+                                                            raw.launch(stream, args))),
+                   "sparse_mla_fwd_us": loop(lambda: dsa_aot.sparse_mla_fwd(q, kv, idx))}
+    results["overhead_over_raw_plus_alloc_us"] = results["sparse_mla_fwd_us"] - results["raw_launch_plus_alloc_us"]
+    return results
+
+
+def jit_seconds() -> float | None:
+    from dsa_aot.loader import get_loader
+
+    loader = get_loader()
+    for store in loader.stores():
+        entry = store.lookup(loader.fingerprint(), "sm_90a", "fwd-sm_90a-d576-h64-noncompact-tilelang")
+        if entry is not None:
+            return float(entry.meta.payload.get("build_seconds", 0.0))
+    return None
+
+
+def main() -> int:
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("bench/results/startup_h200.json")
+    runs = [json.loads(subprocess.run([sys.executable, "-c", CHILD], check=True, capture_output=True,
+                                      text=True, env=os.environ).stdout.strip().splitlines()[-1])
+            for _ in range(3)]
+    report = {"fresh_process_runs": runs, "dispatch": dispatch_overhead(), "jit_compile_s": jit_seconds()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Shared helpers for the benchmarks: inputs, timing, environment description."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata as md
+import platform
+import statistics
+
+import torch
+
+
+def make_inputs(s_q: int, s_kv: int, heads: int, d_qk: int, topk: int, *, seed: int = 0,
+                device: str = "cuda", sink: bool = True) -> dict[str, torch.Tensor]:
+    """Random bf16 inputs with distinct in-range indices per row (never zeros)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn((s_q, heads, d_qk), generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
+    kv = torch.randn((s_kv, d_qk), generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
+    k = min(topk, s_kv)
+    idx = torch.rand((s_q, s_kv), generator=g, device=device).argsort(dim=1)[:, :k].to(torch.int32)
+    if k < topk:
+        idx = torch.cat([idx, torch.full((s_q, topk - k), -1, dtype=torch.int32, device=device)], dim=1)
+    dout = torch.randn((s_q, heads, 512), generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
+    attn_sink = (torch.randn((heads,), generator=g, device=device) if sink else None)
+    return {"q": q, "kv": kv, "topk_idxs": idx.contiguous(), "dout": dout, "attn_sink": attn_sink}
+
+
+def time_cuda(fn, *, warmup: int = 5, reps: int = 30) -> float:
+    """Median milliseconds of ``fn()`` measured with CUDA events after warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def fwd_flops(s_q: int, heads: int, topk: int, d_qk: int, d_v: int = 512) -> float:
+    return 2.0 * s_q * heads * topk * (d_qk + d_v)
+
+
+def bwd_flops(s_q: int, heads: int, topk: int, d_qk: int, d_v: int = 512) -> float:
+    return 2.0 * s_q * heads * topk * (3 * d_qk + 2 * d_v)
+
+
+def _version(dist: str) -> str:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return "absent"
+
+
+def environment() -> dict[str, str]:
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "torch": torch.__version__, "cuda": str(torch.version.cuda), "python": platform.python_version(),
+        "tilelang": _version("tilelang"), "nvidia-cutlass-dsl": _version("nvidia-cutlass-dsl"),
+        "nvidia-cudnn-frontend": _version("nvidia-cudnn-frontend"),
+        "date": datetime.date.today().isoformat(),
+    }

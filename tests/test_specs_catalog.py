@@ -1,0 +1,84 @@
+"""Spec models, ids, the catalog and its selection, settings parsing."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from dsa_aot import registry, settings
+from dsa_aot.specs.catalog import load_catalog, select
+from dsa_aot.specs.models import KernelSpec, TileConfig
+
+
+def test_spec_id_round_trip_and_canonical_json():
+    spec = KernelSpec(op="bwd", arch="sm_90a", d_qk=576, heads=64, layout="compact")
+    assert spec.id == "bwd-sm_90a-d576-h64-compact-tilelang"
+    assert KernelSpec.from_id(spec.id) == spec
+    assert spec.canonical_json() == KernelSpec.model_validate_json(spec.canonical_json()).canonical_json()
+
+
+def test_tuned_tile_changes_id():
+    base = KernelSpec(op="fwd", arch="sm_90a", d_qk=576, heads=64, layout="compact")
+    tuned = base.model_copy(update={"tile": TileConfig(block_i=32)})
+    assert tuned.id != base.id and tuned.id.startswith(base.id + "-t")
+
+
+@pytest.mark.parametrize("field,value,fragment", [
+    ("d_qk", 128, "d_qk=128"), ("heads", 48, "heads=48"), ("arch", "sm_80", "arch"),
+    ("layout", "ragged", "layout"), ("op", "both", "op")])
+def test_unsupported_spec_is_rejected_with_the_value(field, value, fragment):
+    kwargs = dict(op="fwd", arch="sm_90a", d_qk=576, heads=64, layout="compact")
+    kwargs[field] = value
+    with pytest.raises(ValidationError, match=fragment):
+        KernelSpec(**kwargs)
+
+
+def test_default_catalog_is_the_full_matrix():
+    specs = load_catalog().specs(registry.implemented())
+    assert len(specs) == 2 * 2 * 2 * 4 * 2  # op x arch x d_qk x heads x layout, tilelang
+    assert len({s.id for s in specs}) == len(specs)
+    assert {s.arch for s in specs} == {"sm_90a", "sm_100a"}
+
+
+def test_select_only_arch_and_shards_partition():
+    specs = load_catalog().specs(registry.implemented())
+    assert all(s.op == "fwd" and s.arch == "sm_90a" for s in select(specs, only=["fwd-sm_90a-*"]))
+    shards = [select(specs, shard=(i, 3)) for i in (1, 2, 3)]
+    assert sorted(s.id for sh in shards for s in sh) == sorted(s.id for s in specs)
+    assert select(specs, archs=["sm_100a"]) == [s for s in specs if s.arch == "sm_100a"]
+
+
+def test_user_catalog(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text('[[matrix]]\nops=["fwd"]\narchs=["sm_90a"]\nd_qk=[576]\nheads=[64]\nlayouts=["compact"]\n'
+                    '[matrix.tile]\nblock_i=32\n')
+    specs = load_catalog(path).specs(registry.implemented())
+    assert [s.tile.block_i for s in specs] == [32]
+    path.write_text('[[matrix]]\nops=["fwd"]\narchs=["sm_90a"]\nd_qk=[100]\nheads=[64]\nlayouts=["compact"]\n')
+    with pytest.raises(ValidationError, match="d_qk=100"):
+        load_catalog(path).specs()
+
+
+def test_settings_parse_and_errors(monkeypatch):
+    monkeypatch.setenv("DSA_AOT_JIT", "0")
+    monkeypatch.setenv("DSA_AOT_ARCH_LIST", "sm_90a,sm_100a")
+    monkeypatch.setenv("DSA_AOT_CACHE_MAX_BYTES", "2G")
+    cfg = settings.Settings.from_env()
+    assert (cfg.jit, cfg.arch_list, cfg.cache_max_bytes) == (False, ("sm_90a", "sm_100a"), 2 << 30)
+    monkeypatch.setenv("DSA_AOT_JIT", "maybe")
+    with pytest.raises(settings.SettingsError, match="DSA_AOT_JIT='maybe'"):
+        settings.Settings.from_env()
+    monkeypatch.setenv("DSA_AOT_JIT", "1")
+    monkeypatch.setenv("DSA_AOT_ARCH_LIST", "sm_80")
+    with pytest.raises(settings.SettingsError, match="sm_80"):
+        settings.Settings.from_env()
+
+
+def test_settings_scope_restores():
+    before = settings.get()
+    with settings.scope(jit=False) as cfg:
+        assert cfg.jit is False and settings.get().jit is False
+    assert settings.get() == before
+    with pytest.raises(TypeError, match="unknown settings"):
+        with settings.scope(nope=1):
+            pass
