@@ -1,0 +1,521 @@
+"""Build CuTe DSL kernels ahead of time into shared libraries that load without ``cutlass``.
+
+Each build runs in a worker process (``python -m dsa_aot.cutedsl_backend worker``) whose
+environment has ``CUTE_DSL_ARCH=<arch>`` before ``cutlass`` is imported: the DSL reads it once
+at import and otherwise assumes sm_100, so an sm_90a export on a machine without that GPU fails.
+The worker ``cute.compile``s with ``--gpu-arch <arch>`` over dynamic-shape fake tensors and calls
+``export_to_c`` (a ``.h`` and a ``.o`` holding the host launcher plus the embedded cubin). This
+process then links the ``.o`` into ``<name>.so`` and writes ``record.json``
+(:class:`CuteExportRecord`), which is everything :mod:`dsa_aot.cutedsl_runtime` needs.
+
+Link modes:
+
+* ``dsl_runtime`` (default): ``cc -shared <name>.o -L<libdir> -lcute_dsl_runtime`` with the
+  library directory from ``cutlass.cute.export.aot_config``. At run time the ``.so`` needs the
+  DSL's ``libcute_dsl_runtime.so`` (about 42 MiB, no dependencies besides glibc; it carries
+  its own CUDA runtime and opens ``libcuda`` itself). The record names it with size and sha256.
+* ``static_cudart``: the ``.o`` plus the DSL's ``libcuda_dialect_runtime_static.a`` (the thin
+  ``_cuda*`` shims the object calls) plus the CUDA toolkit's ``libcudart_static.a``: a
+  self-contained ``.so`` of about 1 MiB; it needs a driver new enough for that toolkit's
+  CUDA runtime (recorded as ``cudart_version``).
+
+Records are JSON; this module imports only the standard library and pydantic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+import uuid
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Arch = Literal["sm_90a", "sm_100a"]
+CuteKernel = Literal["bwd_preprocess", "bwd_postprocess"]
+LinkMode = Literal["dsl_runtime", "static_cudart"]
+CType = Literal["int32", "int64"]
+
+RECORD_FILE = "record.json"
+RECORD_FORMAT = 1
+#: The DSL runtime library the ``dsl_runtime`` link mode needs at run time.
+DSL_RUNTIME_LIB = "libcute_dsl_runtime.so"
+_DSL_STATIC_SHIMS = "libcuda_dialect_runtime_static.a"
+_MODULE = "dsa_aot.cutedsl_backend"
+
+
+class CuteBuildError(RuntimeError):
+    """A CuTe DSL build, export or link step failed; the message says which and why."""
+
+
+# --------------------------------------------------------------------------------------------
+# Records
+# --------------------------------------------------------------------------------------------
+
+class DimRecord(BaseModel):
+    """One shape or stride entry: a compile-time ``value``, or run-time (``value`` None)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    value: int | None = None
+    symbol: str | None = Field(None, description="run-time dims sharing a symbol must be equal")
+    divisibility: int = Field(1, ge=1, description="a run-time value must be a multiple of it")
+
+
+class TensorArgRecord(BaseModel):
+    """A tensor argument, passed as ``{void *data; shapes[n]; strides[m]}`` (run-time dims only)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kind: Literal["tensor"] = "tensor"
+    name: str
+    dtype: Literal["bfloat16", "float16", "float32", "int32", "int64"]
+    shape: tuple[DimRecord, ...]
+    stride: tuple[DimRecord, ...]
+    shape_ctype: CType = "int32"
+    stride_ctype: CType = "int64"
+    align: int = Field(ge=1, description="byte alignment the kernel assumes for the data pointer")
+
+    @property
+    def dynamic_shape_dims(self) -> tuple[int, ...]:
+        return tuple(i for i, d in enumerate(self.shape) if d.value is None)
+
+    @property
+    def dynamic_stride_dims(self) -> tuple[int, ...]:
+        return tuple(i for i, d in enumerate(self.stride) if d.value is None)
+
+
+class StreamArgRecord(BaseModel):
+    """A ``cudaStream_t`` argument."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kind: Literal["stream"] = "stream"
+    name: str
+
+
+ArgRecord = Annotated[Union[TensorArgRecord, StreamArgRecord], Field(discriminator="kind")]
+
+
+class RuntimeLibRecord(BaseModel):
+    """A shared library the artifact needs loaded (``RTLD_GLOBAL``) before it is opened."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str = Field(description="file name, also its SONAME, e.g. libcute_dsl_runtime.so")
+    distribution: str = Field(description="pip distribution that ships it")
+    package_path: str = Field(description="path inside site-packages")
+    size: int
+    sha256: str
+
+
+class CuteSymbols(BaseModel):
+    """Entry points of the exported object (MLIR C interface: ``void f(void **args[, n])``).
+
+    ``init(&{&library, &err})`` loads the embedded cubin once per process;
+    ``load_to_device(&{&library, &device, &err})`` prepares one device;
+    ``entry(args, n)`` launches, ``args`` being one pointer per argument (a tensor descriptor,
+    ``&stream``) followed by ``&ret`` (int32, a CUDA error code; 0 on success).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    init: str
+    load_to_device: str
+    entry: str
+
+
+class CuteExportRecord(BaseModel):
+    """One exported, linked CuTe DSL kernel (``record.json`` beside ``library``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    format: Literal[1] = RECORD_FORMAT
+    name: str
+    kernel: CuteKernel
+    arch: Arch
+    prefix: str = Field(description="C symbol prefix given to export_to_c")
+    library: str = Field(description="linked shared library, relative to the record")
+    object_file: str
+    header: str
+    symbols: CuteSymbols
+    args: tuple[ArgRecord, ...]
+    link: LinkMode
+    runtime_libs: tuple[RuntimeLibRecord, ...] = ()
+    cudart_version: int | None = Field(None, description="static CUDA runtime linked in, if any")
+    use_isfinite: bool | None = Field(None, description="finiteness via cute.math.isfinite "
+                                      "(True) or +-inf compares (False); None if not used")
+    dsl_version: str
+    library_sha256: str
+    build_seconds: float = Field(description="compile + export in the worker, then link")
+
+
+class BuildRequest(BaseModel):
+    """One artifact to build. ``use_isfinite=None`` follows the DSL feature probe."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kernel: CuteKernel
+    arch: Arch
+    use_isfinite: bool | None = None
+    link: LinkMode = "dsl_runtime"
+    name: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                             description="artifact (and C prefix) name; derived when None")
+
+
+# --------------------------------------------------------------------------------------------
+# Probe
+# --------------------------------------------------------------------------------------------
+
+def _worker_env(arch: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["CUTE_DSL_ARCH"] = arch
+    env["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"  # artifacts are cached by us, keyed by content
+    return env
+
+
+def probe_isfinite(python: str | None = None, timeout: float = 300.0) -> bool:
+    """Whether the DSL installed for ``python`` has ``cute.math.isfinite`` (subprocess, no GPU)."""
+    code = ("from dsa_aot.kernels.cutedsl_bwd_preprocess import probe_cute_isfinite as p; "
+            "print('ISFINITE=%d' % p())")
+    proc = subprocess.run([python or sys.executable, "-c", code], capture_output=True, text=True,
+                          env=_worker_env("sm_90a"), timeout=timeout, check=False)
+    match = re.search(r"^ISFINITE=([01])$", proc.stdout, re.M)
+    if proc.returncode != 0 or match is None:
+        raise CuteBuildError(f"the isfinite probe failed (exit {proc.returncode}): "
+                             f"{proc.stderr.strip()[-2000:]}")
+    return match.group(1) == "1"
+
+
+# --------------------------------------------------------------------------------------------
+# Worker (runs with CUTE_DSL_ARCH set; the only code here that imports cutlass)
+# --------------------------------------------------------------------------------------------
+
+_DTYPES = {"BFloat16": "bfloat16", "Float16": "float16", "Float32": "float32",
+           "Int32": "int32", "Int64": "int64"}
+
+
+def _dim_record(entry: object) -> dict[str, object]:
+    if isinstance(entry, int):
+        return {"value": entry}
+    return {"symbol": getattr(entry, "symbol", None), "divisibility": int(entry.divisibility)}
+
+
+def _describe_args(fakes: dict[str, object]) -> list[dict[str, object]]:
+    import cuda.bindings.driver as cuda
+
+    args: list[dict[str, object]] = []
+    for name, fake in fakes.items():
+        if isinstance(fake, cuda.CUstream):
+            args.append({"kind": "stream", "name": name})
+            continue
+        dtype = _DTYPES.get(fake.element_type.__name__)
+        if dtype is None:
+            raise CuteBuildError(f"argument {name}: element type {fake.element_type} unsupported")
+        shape = [_dim_record(e) for e in fake.shape]
+        stride = [_dim_record(e) for e in fake.stride]
+        widths = {e.width for e in fake.shape if not isinstance(e, int)}
+        args.append({"kind": "tensor", "name": name, "dtype": dtype, "shape": shape,
+                     "stride": stride, "shape_ctype": "int64" if widths == {64} else "int32",
+                     "stride_ctype": "int32" if fake._use_32bit_stride else "int64",
+                     "align": int(fake._assumed_align or 1)})
+    return args
+
+
+def _worker_compile(job: dict[str, object], arch: str) -> dict[str, object]:
+    from dsa_aot.kernels import cutedsl_bwd_postprocess, cutedsl_bwd_preprocess
+
+    start = time.perf_counter()
+    use_isfinite = job["use_isfinite"]
+    if job["kernel"] == "bwd_preprocess":
+        if use_isfinite is None:
+            use_isfinite = cutedsl_bwd_preprocess.probe_cute_isfinite()
+        compiled, fakes = cutedsl_bwd_preprocess.compile_bwd_preprocess(arch, use_isfinite)
+    else:
+        use_isfinite = None
+        compiled, fakes = cutedsl_bwd_postprocess.compile_bwd_postprocess(arch)
+    compiled_at = time.perf_counter()
+    name = job["name"] or _default_name(job["kernel"], arch, job["link"], use_isfinite)
+    compiled.export_to_c(job["dir"], name, name)
+    return {"name": name, "use_isfinite": use_isfinite, "args": _describe_args(fakes),
+            "compile_seconds": compiled_at - start,
+            "export_seconds": time.perf_counter() - compiled_at}
+
+
+def _worker_main(request_path: str) -> int:
+    request = json.loads(Path(request_path).read_text())
+    arch = request["arch"]
+    if os.environ.get("CUTE_DSL_ARCH") != arch:
+        print(json.dumps({"error": f"CUTE_DSL_ARCH={os.environ.get('CUTE_DSL_ARCH')!r}, "
+                                   f"expected {arch!r} before importing cutlass"}))
+        return 2
+    try:
+        import cutlass
+        from cutlass.cute.export import aot_config
+
+        results = [_worker_compile(job, arch) for job in request["jobs"]]
+        lib_paths = [p for p in aot_config.get_lib_paths(enable_tvm_ffi=False)
+                     if Path(p).name == DSL_RUNTIME_LIB]
+        reply = {"results": results, "dsl_version": cutlass.__version__,
+                 "libdir": aot_config.get_libdir(),
+                 "runtime_lib": lib_paths[0] if lib_paths else None}
+    except Exception:  # noqa: BLE001 - reported to the parent with the traceback
+        reply = {"error": traceback.format_exc()}
+    Path(request["reply"]).write_text(json.dumps(reply))
+    return 0 if "error" not in reply else 1
+
+
+# --------------------------------------------------------------------------------------------
+# Header check, link, publish
+# --------------------------------------------------------------------------------------------
+
+_RE_INIT = re.compile(r"void (_mlir_\w+_cuda_init)\(void \*\*\);")
+_RE_LOAD = re.compile(r"void (_mlir_\w+_cuda_load_to_device)\(void \*\*\);")
+_RE_ENTRY = re.compile(r"void (_mlir_\w+__mlir_ciface_\w+)\(void \*\*args, int32_t num_args\);")
+_RE_STRUCT = re.compile(r"typedef struct \{\s*void \*data;(?P<body>[^}]*)\}\s*(?P<type>\w+_Tensor_"
+                        r"(?P<name>\w+)_t);")
+_RE_FIELD = re.compile(r"(int32_t|int64_t) dynamic_(shapes|strides)\[(\d+)\];")
+_RE_PACKED = re.compile(r"void \*args\[(\d+)\] = \{(?P<body>[^}]*)\};")
+
+
+def _check_header(header: str, prefix: str, args: list[TensorArgRecord | StreamArgRecord]
+                  ) -> CuteSymbols:
+    """Parse the generated header and require the C ABI the runtime loader implements."""
+    found = {k: r.search(header) for k, r in (("init", _RE_INIT), ("load_to_device", _RE_LOAD),
+                                              ("entry", _RE_ENTRY))}
+    missing = [k for k, m in found.items() if m is None]
+    if missing:
+        raise CuteBuildError(f"{prefix}.h: no declaration for {missing}; has the DSL's export "
+                             "format changed?")
+    structs = {m["name"]: m for m in _RE_STRUCT.finditer(header)}
+    packed = _RE_PACKED.search(header)
+    if packed is None:
+        raise CuteBuildError(f"{prefix}.h: no packed argument array found")
+    expected_packed = [a.name if a.kind == "tensor" else f"&{a.name}" for a in args] + ["&ret"]
+    got_packed = [t.strip() for t in packed["body"].split(",") if t.strip()]
+    if got_packed != expected_packed:
+        raise CuteBuildError(f"{prefix}.h packs {got_packed}, the loader would pass "
+                             f"{expected_packed}")
+    for arg in args:
+        if arg.kind != "tensor":
+            continue
+        struct = structs.get(arg.name)
+        if struct is None:
+            raise CuteBuildError(f"{prefix}.h: no descriptor struct for tensor {arg.name}")
+        fields = {kind: (ctype, int(n)) for ctype, kind, n in _RE_FIELD.findall(struct["body"])}
+        want = {}
+        if arg.dynamic_shape_dims:
+            want["shapes"] = (f"{arg.shape_ctype}_t", len(arg.dynamic_shape_dims))
+        if arg.dynamic_stride_dims:
+            want["strides"] = (f"{arg.stride_ctype}_t", len(arg.dynamic_stride_dims))
+        if fields != want:
+            raise CuteBuildError(f"{prefix}.h: descriptor of {arg.name} is {fields}, "
+                                 f"expected {want}")
+    return CuteSymbols(**{k: m.group(1) for k, m in found.items()})
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _runtime_lib_record(path: Path) -> RuntimeLibRecord:
+    parts = path.resolve().parts
+    try:
+        site = max(i for i, p in enumerate(parts) if p in ("site-packages", "dist-packages"))
+        package_path = "/".join(parts[site + 1:])
+    except ValueError:
+        package_path = path.name
+    flavor = re.search(r"nvidia_cutlass_dsl/(cu\d+)/", package_path)
+    distribution = f"nvidia-cutlass-dsl-libs-{flavor.group(1)}" if flavor else "nvidia-cutlass-dsl"
+    return RuntimeLibRecord(name=path.name, distribution=distribution, package_path=package_path,
+                            size=path.stat().st_size, sha256=_sha256(path))
+
+
+def _cuda_home() -> Path:
+    for candidate in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if candidate and (Path(candidate) / "lib64" / "libcudart_static.a").is_file():
+            return Path(candidate)
+    raise CuteBuildError("link=static_cudart needs a CUDA toolkit with lib64/libcudart_static.a; "
+                         "set CUDA_HOME or use link=dsl_runtime")
+
+
+def _cudart_version(cuda_home: Path) -> int | None:
+    header = cuda_home / "include" / "cuda_runtime_api.h"
+    if header.is_file():
+        match = re.search(r"#define CUDART_VERSION\s+(\d+)", header.read_text(errors="replace"))
+        if match:
+            return int(match.group(1))
+    return None
+
+
+def _link(obj: Path, lib: Path, mode: LinkMode, libdir: Path) -> int | None:
+    """Link ``obj`` into ``lib``; returns the static CUDA runtime version for static_cudart."""
+    cc = os.environ.get("CC", "cc")
+    cmd = [cc, "-shared", "-o", str(lib), str(obj), f"-Wl,-soname,{lib.name}",
+           "-Wl,--no-undefined"]
+    cudart = None
+    if mode == "dsl_runtime":
+        cmd += [f"-L{libdir}", "-lcute_dsl_runtime", "-Wl,-rpath,$ORIGIN"]
+    else:
+        cuda_home = _cuda_home()
+        cudart = _cudart_version(cuda_home)
+        cmd += [str(libdir / _DSL_STATIC_SHIMS), str(cuda_home / "lib64" / "libcudart_static.a"),
+                "-lpthread", "-ldl", "-lrt"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise CuteBuildError(f"linking {lib.name} failed: {' '.join(cmd)}\n{proc.stderr.strip()}")
+    return cudart
+
+
+def _default_name(kernel: str, arch: str, link: str, use_isfinite: bool | None) -> str:
+    name = f"cutedsl_{kernel}_{arch}"
+    if kernel == "bwd_preprocess":
+        name += "_isfinite" if use_isfinite else "_infcmp"
+    if link == "static_cudart":
+        name += "_static"
+    return name
+
+
+def build_cutedsl(requests: list[BuildRequest], out_dir: str | os.PathLike[str], *,
+                  python: str | None = None, timeout: float = 900.0) -> list[CuteExportRecord]:
+    """Build, export and link every request; one worker process per arch, run concurrently.
+
+    Each artifact lands in ``out_dir/<name>/`` (``<name>.h``, ``.o``, ``.so``, ``record.json``),
+    staged in a sibling folder and renamed into place, so a crash never leaves a torn entry.
+    Raises :class:`CuteBuildError` naming the failing step.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    python = python or sys.executable
+    scratch = out / f".build-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    scratch.mkdir()
+    try:
+        plan: dict[str, list[tuple[BuildRequest, dict[str, object]]]] = {}
+        for i, req in enumerate(requests):
+            stage = scratch / f"job{i}"
+            stage.mkdir()
+            job = {"kernel": req.kernel, "use_isfinite": req.use_isfinite, "name": req.name,
+                   "link": req.link, "dir": str(stage)}
+            plan.setdefault(req.arch, []).append((req, job))
+        started = time.perf_counter()
+        procs = {arch: _spawn_worker(arch, [j for _, j in items], scratch, python)
+                 for arch, items in plan.items()}
+        replies = {arch: _collect_worker(arch, proc, scratch, timeout - (time.perf_counter() - started))
+                   for arch, proc in procs.items()}
+        records = []
+        for arch, items in plan.items():
+            reply = replies[arch]
+            for (req, job), result in zip(items, reply["results"]):
+                records.append(_finish(req, job, result, reply, out))
+        return records
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _spawn_worker(arch: str, jobs: list[dict[str, object]], scratch: Path,
+                  python: str) -> subprocess.Popen[str]:
+    request = scratch / f"request-{arch}.json"
+    request.write_text(json.dumps({"arch": arch, "jobs": jobs,
+                                   "reply": str(scratch / f"reply-{arch}.json")}))
+    return subprocess.Popen([python, "-m", _MODULE, "worker", str(request)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_worker_env(arch))
+
+
+def _collect_worker(arch: str, proc: subprocess.Popen[str], scratch: Path,
+                    timeout: float) -> dict[str, object]:
+    try:
+        _, stderr = proc.communicate(timeout=max(timeout, 1.0))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise CuteBuildError(f"the CuTe DSL worker for {arch} timed out") from None
+    reply = scratch / f"reply-{arch}.json"
+    if not reply.is_file():
+        raise CuteBuildError(f"the CuTe DSL worker for {arch} exited {proc.returncode} without "
+                             f"a reply:\n{stderr.strip()[-4000:]}")
+    data = json.loads(reply.read_text())
+    if "error" in data:
+        raise CuteBuildError(f"the CuTe DSL worker for {arch} failed:\n{data['error']}")
+    return data
+
+
+def _finish(req: BuildRequest, job: dict[str, object], result: dict[str, object],
+            reply: dict[str, object], out: Path) -> CuteExportRecord:
+    name = str(result["name"])
+    stage = Path(str(job["dir"]))
+    start = time.perf_counter()
+    arg_models = [StreamArgRecord(**a) if a["kind"] == "stream" else TensorArgRecord(**a)
+                  for a in result["args"]]
+    header = (stage / f"{name}.h").read_text()
+    symbols = _check_header(header, name, arg_models)
+    obj = stage / f"{name}.o"
+    if symbols.entry.encode() not in obj.read_bytes():
+        raise CuteBuildError(f"{obj.name} does not define {symbols.entry}")
+    libdir = Path(str(reply["libdir"]))
+    lib = stage / f"{name}.so"
+    cudart = _link(obj, lib, req.link, libdir)
+    runtime_libs: tuple[RuntimeLibRecord, ...] = ()
+    if req.link == "dsl_runtime":
+        if not reply.get("runtime_lib"):
+            raise CuteBuildError(f"the DSL reports no {DSL_RUNTIME_LIB} (aot_config)")
+        runtime_libs = (_runtime_lib_record(Path(str(reply["runtime_lib"]))),)
+    record = CuteExportRecord(
+        name=name, kernel=req.kernel, arch=req.arch, prefix=name, library=lib.name,
+        object_file=obj.name, header=f"{name}.h", symbols=symbols, args=tuple(arg_models),
+        link=req.link, runtime_libs=runtime_libs, cudart_version=cudart,
+        use_isfinite=result["use_isfinite"], dsl_version=str(reply["dsl_version"]),
+        library_sha256=_sha256(lib),
+        build_seconds=round(float(result["compile_seconds"]) + float(result["export_seconds"])
+                            + time.perf_counter() - start, 3))
+    (stage / RECORD_FILE).write_text(record.model_dump_json(indent=2))
+    final = out / name
+    if final.exists():
+        trash = out / f".old-{name}-{uuid.uuid4().hex[:8]}"
+        final.rename(trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    stage.rename(final)
+    return record
+
+
+def read_record(artifact_dir: str | os.PathLike[str]) -> CuteExportRecord:
+    """The record of an artifact folder written by :func:`build_cutedsl`."""
+    return CuteExportRecord.model_validate_json((Path(artifact_dir) / RECORD_FILE).read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m {_MODULE}",
+                                     description="Build CuTe DSL kernels ahead of time.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    worker = sub.add_parser("worker", help="internal: compile in this process (CUTE_DSL_ARCH set)")
+    worker.add_argument("request")
+    build = sub.add_parser("build", help="build, export and link kernels")
+    build.add_argument("out_dir")
+    build.add_argument("--arch", action="append", choices=["sm_90a", "sm_100a"])
+    build.add_argument("--kernel", action="append", choices=["bwd_preprocess", "bwd_postprocess"])
+    build.add_argument("--link", default="dsl_runtime", choices=["dsl_runtime", "static_cudart"])
+    build.add_argument("--use-isfinite", choices=["auto", "yes", "no"], default="auto")
+    args = parser.parse_args(argv)
+    if args.cmd == "worker":
+        return _worker_main(args.request)
+    flag = {"auto": None, "yes": True, "no": False}[args.use_isfinite]
+    reqs = [BuildRequest(kernel=k, arch=a, link=args.link, use_isfinite=flag)
+            for a in (args.arch or ["sm_90a", "sm_100a"])
+            for k in (args.kernel or ["bwd_preprocess", "bwd_postprocess"])]
+    try:
+        for rec in build_cutedsl(reqs, args.out_dir):
+            print(f"{rec.name}: {rec.library} ({rec.build_seconds:.2f} s)")
+    except CuteBuildError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

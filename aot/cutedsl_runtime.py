@@ -1,0 +1,417 @@
+"""Run CuTe DSL kernels exported ahead of time, without importing ``cutlass``.
+
+An artifact folder written by :func:`dsa_aot.cutedsl_backend.build_cutedsl` holds ``<name>.so``
+(the DSL's host launcher with the cubin embedded, linked by us) and ``record.json``. Loading is
+``ctypes`` only: the DSL runtime library the record names (``libcute_dsl_runtime.so`` for the
+``dsl_runtime`` link mode, none for ``static_cudart``) is opened ``RTLD_GLOBAL`` first, then the
+artifact. Nothing touches CUDA until the first call, which loads the embedded cubin
+(``init``) and prepares the caller's device (``load_to_device``); each call then builds the
+tensor descriptors the exported C ABI expects and launches on the given (or torch's current)
+stream.
+
+The DSL runtime library is looked up, in order, at the path in ``DSA_AOT_CUTE_DSL_RUNTIME``
+(a file or a folder), in the artifact folder, then at its recorded place under each
+``sys.path`` entry (an installed ``nvidia-cutlass-dsl-libs-*`` wheel; nothing is imported).
+Its size and sha256 must match the record: the artifact's object code was generated against
+that exact runtime.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import struct
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dsa_aot.cutedsl_backend import (
+    RECORD_FILE,
+    CuteExportRecord,
+    RuntimeLibRecord,
+    StreamArgRecord,
+    TensorArgRecord,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+#: A file, or a folder holding it, to use as the DSL runtime library.
+RUNTIME_ENV = "DSA_AOT_CUTE_DSL_RUNTIME"
+
+_CUDA_ERRORS = {1: "cudaErrorInvalidValue", 2: "cudaErrorMemoryAllocation",
+                3: "cudaErrorInitializationError", 35: "cudaErrorInsufficientDriver",
+                98: "cudaErrorInvalidDeviceFunction", 100: "cudaErrorNoDevice",
+                101: "cudaErrorInvalidDevice", 209: "cudaErrorNoKernelImageForDevice",
+                218: "cudaErrorInvalidPtx", 222: "cudaErrorUnsupportedPtxVersion",
+                400: "cudaErrorInvalidResourceHandle", 500: "cudaErrorSymbolNotFound",
+                700: "cudaErrorIllegalAddress", 9: "cudaErrorInvalidConfiguration"}
+_CTYPES = {"int32": ctypes.c_int32, "int64": ctypes.c_int64}
+_LIMITS = {"int32": 2**31 - 1, "int64": 2**63 - 1}
+
+
+class CuteRuntimeError(RuntimeError):
+    """Loading or launching an exported CuTe DSL kernel failed; the message says why."""
+
+
+def _cuda_error(code: int) -> str:
+    return f"CUDA error {code} ({_CUDA_ERRORS.get(code, 'see cudaError_t')})"
+
+
+# --------------------------------------------------------------------------------------------
+# Runtime library
+# --------------------------------------------------------------------------------------------
+
+_RUNTIME_LOCK = threading.Lock()
+_RUNTIME_LIBS: dict[str, tuple[Path, ctypes.CDLL]] = {}
+
+
+def _candidates(rec: RuntimeLibRecord, artifact_dir: Path, explicit: Path | None) -> list[Path]:
+    found: list[Path] = []
+    for base in (explicit, Path(os.environ[RUNTIME_ENV]) if os.environ.get(RUNTIME_ENV) else None):
+        if base is not None:
+            found.append(base / rec.name if base.is_dir() else base)
+    found.append(artifact_dir / rec.name)
+    found += [Path(entry) / rec.package_path for entry in sys.path if entry]
+    return found
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def find_runtime_library(rec: RuntimeLibRecord, artifact_dir: Path,
+                         explicit: Path | None = None, verify: bool = True) -> Path:
+    """The first candidate file with the recorded size (and sha256 when ``verify``)."""
+    rejected = []
+    for path in _candidates(rec, artifact_dir, explicit):
+        if not path.is_file():
+            continue
+        size = path.stat().st_size
+        if size != rec.size:
+            rejected.append(f"{path} ({size} bytes, expected {rec.size})")
+            continue
+        if verify and _sha256(path) != rec.sha256:
+            rejected.append(f"{path} (sha256 differs)")
+            continue
+        return path
+    detail = f"; rejected: {', '.join(rejected)}" if rejected else ""
+    raise CuteRuntimeError(
+        f"{rec.name} from {rec.distribution} ({rec.size} bytes) was not found{detail}. Install "
+        f"the matching {rec.distribution}, copy the file into {artifact_dir}, or set "
+        f"{RUNTIME_ENV} to its path")
+
+
+def _open_runtime(rec: RuntimeLibRecord, artifact_dir: Path, explicit: Path | None,
+                  verify: bool) -> Path:
+    with _RUNTIME_LOCK:
+        if rec.sha256 in _RUNTIME_LIBS:
+            return _RUNTIME_LIBS[rec.sha256][0]
+        path = find_runtime_library(rec, artifact_dir, explicit, verify)
+        try:
+            handle = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        except OSError as exc:
+            raise CuteRuntimeError(f"cannot load {path}: {exc}") from exc
+        _RUNTIME_LIBS[rec.sha256] = (path, handle)
+        return path
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+
+def descriptor_type(arg: TensorArgRecord) -> type[ctypes.Structure]:
+    """The C struct of a tensor argument: ``{void *data; shapes[n]; strides[m]}``."""
+    fields: list[tuple[str, Any]] = [("data", ctypes.c_void_p)]
+    if arg.dynamic_shape_dims:
+        fields.append(("shapes", _CTYPES[arg.shape_ctype] * len(arg.dynamic_shape_dims)))
+    if arg.dynamic_stride_dims:
+        fields.append(("strides", _CTYPES[arg.stride_ctype] * len(arg.dynamic_stride_dims)))
+    return type(f"Descriptor_{arg.name}", (ctypes.Structure,), {"_fields_": fields})
+
+
+class CallFrame:
+    """Byte layout of one call's arguments, packed with one ``struct.pack_into``.
+
+    The frame is a C struct of every argument's value (tensor descriptors, ``cudaStream_t``)
+    plus the ``int32`` result, laid out by ``ctypes``; the ``void *args[]`` array the entry takes
+    follows it, pointing at each value and at the result.
+    """
+
+    def __init__(self, args: tuple[TensorArgRecord | StreamArgRecord, ...]) -> None:
+        fields: list[tuple[str, Any]] = [
+            (f"a{i}", descriptor_type(a) if a.kind == "tensor" else ctypes.c_void_p)
+            for i, a in enumerate(args)] + [("ret", ctypes.c_int32)]
+        frame = type("Frame", (ctypes.Structure,), {"_fields_": fields})
+        self.frame_type = frame
+        self.offsets = [getattr(frame, name).offset for name, _ in fields]
+        scalars: list[tuple[int, str]] = []
+        for (_, ctype), offset in zip(fields, self.offsets):
+            if ctype is ctypes.c_void_p:
+                scalars.append((offset, "Q"))
+            elif ctype is ctypes.c_int32:
+                scalars.append((offset, "i"))
+            else:
+                for fname, ftype in ctype._fields_:
+                    base = offset + getattr(ctype, fname).offset
+                    if fname == "data":
+                        scalars.append((base, "Q"))
+                        continue
+                    code = "i" if ftype._type_ is ctypes.c_int32 else "q"
+                    step = ctypes.sizeof(ftype._type_)
+                    scalars += [(base + k * step, code) for k in range(ftype._length_)]
+        fmt, pos = "=", 0
+        for offset, code in scalars:
+            fmt += f"{offset - pos}x{code}" if offset > pos else code
+            pos = offset + struct.calcsize("=" + code)
+        self.format = fmt
+        self.argv_offset = (ctypes.sizeof(frame) + 7) // 8 * 8
+        self.argv_format = f"={len(self.offsets)}Q"
+        self.ret_offset = self.offsets[-1]
+        self.size = self.argv_offset + 8 * len(self.offsets)
+
+    def pack(self, values: list[int]) -> tuple[ctypes.Array[ctypes.c_char], int]:
+        """A buffer holding ``values`` (then the result, 0) and the argv array; its argv address."""
+        buf = ctypes.create_string_buffer(self.size)
+        base = ctypes.addressof(buf)
+        struct.pack_into(self.format, buf, 0, *values, 0)
+        struct.pack_into(self.argv_format, buf, self.argv_offset,
+                         *[base + off for off in self.offsets])
+        return buf, base + self.argv_offset
+
+    def result(self, buf: ctypes.Array[ctypes.c_char]) -> int:
+        return struct.unpack_from("=i", buf, self.ret_offset)[0]
+
+
+class _TensorPlan:
+    """What a tensor argument must look like, precomputed for a cheap per-call check."""
+
+    def __init__(self, arg: TensorArgRecord) -> None:
+        self.name = arg.name
+        self.dtype_name = arg.dtype
+        self.dtype: Any = None  # the torch dtype, resolved on the first call
+        self.rank = len(arg.shape)
+        self.static_shape = [(i, d.value) for i, d in enumerate(arg.shape) if d.value is not None]
+        self.static_stride = [(i, d.value) for i, d in enumerate(arg.stride)
+                              if d.value is not None]
+        self.div_shape = [(i, d.divisibility) for i, d in enumerate(arg.shape)
+                          if d.value is None and d.divisibility > 1]
+        self.div_stride = [(i, d.divisibility) for i, d in enumerate(arg.stride)
+                           if d.value is None and d.divisibility > 1]
+        self.symbols = [(i, d.symbol) for i, d in enumerate(arg.shape) if d.symbol is not None]
+        self.dyn_shape = arg.dynamic_shape_dims
+        self.dyn_stride = arg.dynamic_stride_dims
+        self.shape_limit = _LIMITS[arg.shape_ctype]
+        self.align = arg.align
+
+
+class _InitArgs(ctypes.Structure):
+    _fields_ = [("library", ctypes.c_void_p), ("err", ctypes.c_void_p)]
+
+
+class _LoadArgs(ctypes.Structure):
+    _fields_ = [("library", ctypes.c_void_p), ("device", ctypes.c_void_p), ("err", ctypes.c_void_p)]
+
+
+class CuteDslKernel:
+    """One exported kernel, loaded. Calls are thread-safe and asynchronous on the stream.
+
+    Construct through :func:`load_kernel` (one instance per library file per process: the
+    library's loaded-cubin state is process-global).
+    """
+
+    def __init__(self, artifact_dir: Path, record: CuteExportRecord, *,
+                 runtime_lib: Path | None = None, verify_runtime: bool = True) -> None:
+        self.record = record
+        self.directory = artifact_dir
+        self.runtime_paths = [_open_runtime(r, artifact_dir, runtime_lib, verify_runtime)
+                              for r in record.runtime_libs]
+        lib_path = artifact_dir / record.library
+        try:
+            self._lib = ctypes.CDLL(str(lib_path))
+        except OSError as exc:
+            raise CuteRuntimeError(f"cannot load {lib_path}: {exc}") from exc
+        try:
+            self._init = getattr(self._lib, record.symbols.init)
+            self._load = getattr(self._lib, record.symbols.load_to_device)
+            self._entry = getattr(self._lib, record.symbols.entry)
+        except AttributeError as exc:
+            raise CuteRuntimeError(f"{lib_path} lacks an exported symbol: {exc}") from exc
+        for fn in (self._init, self._load):
+            fn.argtypes, fn.restype = [ctypes.c_void_p], None
+        self._entry.argtypes, self._entry.restype = [ctypes.c_void_p, ctypes.c_int32], None
+        self._plans = [_TensorPlan(a) for a in record.args if a.kind == "tensor"]
+        self._names = [p.name for p in self._plans]
+        self._stream_scalars: list[int] = []  # where each stream goes among the frame's scalars
+        count = 0
+        for a in record.args:
+            if a.kind == "stream":
+                self._stream_scalars.append(count)
+                count += 1
+            else:
+                count += 1 + len(a.dynamic_shape_dims) + len(a.dynamic_stride_dims)
+        self.frame = CallFrame(record.args)
+        self._library = ctypes.c_void_p()  # cudaLibrary_t, written by init
+        self._library_ptr = ctypes.c_void_p(ctypes.addressof(self._library))
+        self._initialized = False
+        self._devices: set[int] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return list(self._names)
+
+    def prepare(self, device_index: int) -> None:
+        """Load the embedded cubin (once) and prepare ``device_index`` (once per device)."""
+        if device_index in self._devices:
+            return
+        with self._lock:
+            if not self._initialized:
+                err = ctypes.c_int32(0)
+                args = _InitArgs(ctypes.addressof(self._library_ptr), ctypes.addressof(err))
+                self._init(ctypes.byref(args))
+                if err.value:
+                    raise CuteRuntimeError(f"{self.record.name}: loading the cubin failed with "
+                                           f"{_cuda_error(err.value)}")
+                self._initialized = True
+            if device_index not in self._devices:
+                err = ctypes.c_int32(0)
+                device = ctypes.c_int32(device_index)
+                args = _LoadArgs(ctypes.addressof(self._library_ptr), ctypes.addressof(device),
+                                 ctypes.addressof(err))
+                self._load(ctypes.byref(args))
+                if err.value:
+                    raise CuteRuntimeError(f"{self.record.name}: preparing device {device_index} "
+                                           f"failed with {_cuda_error(err.value)}")
+                self._devices.add(device_index)
+
+    def __call__(self, *args: torch.Tensor, stream: int | None = None,
+                 **kwargs: torch.Tensor) -> None:
+        """Launch with tensors in record order (positional) or by name; ``stream`` is a
+        ``cudaStream_t`` as an int (default: torch's current stream on the tensors' device)."""
+        device, scalars = self.marshal(self._bind(args, kwargs))
+        self.prepare(device)
+        if stream is None:
+            import torch
+
+            stream = torch.cuda.current_stream(device).cuda_stream
+        for index in self._stream_scalars:
+            scalars.insert(index, stream)
+        buf, argv = self.frame.pack(scalars)
+        self._entry(argv, len(self.frame.offsets))
+        ret = self.frame.result(buf)
+        if ret:
+            raise CuteRuntimeError(f"{self.record.name}: launch failed with {_cuda_error(ret)}")
+
+    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        names = self._names
+        if not kwargs and len(args) == len(names):
+            return list(args)
+        if len(args) > len(names):
+            raise TypeError(f"{self.record.name} takes {len(names)} tensors ({names}), "
+                            f"got {len(args)} positional")
+        bound = dict(zip(names, args))
+        for key, value in kwargs.items():
+            if key not in names or key in bound:
+                raise TypeError(f"{self.record.name}: unexpected or repeated argument {key!r}")
+            bound[key] = value
+        missing = [n for n in names if n not in bound]
+        if missing:
+            raise TypeError(f"{self.record.name}: missing tensors {missing}")
+        return [bound[n] for n in names]
+
+    def marshal(self, tensors: list[Any]) -> tuple[int, list[int]]:
+        """Validate the tensors (record order) against the record and flatten them.
+
+        Returns their common CUDA device and the frame's tensor scalars (per tensor: pointer,
+        run-time sizes, run-time strides). Layout is checked before placement, so a wrong
+        layout is reported without a GPU too.
+        """
+        name = self.record.name
+        sizes: dict[str, tuple[int, str]] = {}
+        layouts = []
+        for plan, t in zip(self._plans, tensors):
+            if plan.dtype is None:
+                import torch
+
+                plan.dtype = getattr(torch, plan.dtype_name)
+            if t.dtype is not plan.dtype:
+                raise ValueError(f"{name}: {plan.name} must be {plan.dtype_name}, got {t.dtype}")
+            shape, stride = t.shape, t.stride()
+            if len(shape) != plan.rank:
+                raise ValueError(f"{name}: {plan.name} must have {plan.rank} dims, got "
+                                 f"{tuple(shape)}")
+            for i, v in plan.static_shape:
+                if shape[i] != v:
+                    raise ValueError(f"{name}: {plan.name}: size[{i}] must be {v}, got {shape[i]}")
+            for i, v in plan.static_stride:
+                if stride[i] != v and shape[i] > 1:
+                    raise ValueError(f"{name}: {plan.name}: stride[{i}] must be {v}, got "
+                                     f"{stride[i]}")
+            for i, div in plan.div_shape:
+                if shape[i] % div:
+                    raise ValueError(f"{name}: {plan.name}: size[{i}]={shape[i]} must be a "
+                                     f"multiple of {div}")
+            for i, div in plan.div_stride:
+                if stride[i] % div:
+                    raise ValueError(f"{name}: {plan.name}: stride[{i}]={stride[i]} must be a "
+                                     f"multiple of {div}")
+            for i, symbol in plan.symbols:
+                seen = sizes.setdefault(symbol, (shape[i], plan.name))
+                if seen[0] != shape[i]:
+                    raise ValueError(f"{name}: {plan.name}: size[{i}]={shape[i]} but {seen[1]} "
+                                     f"has {symbol}={seen[0]}")
+            for d in plan.dyn_shape:
+                if shape[d] > plan.shape_limit:
+                    raise ValueError(f"{name}: {plan.name}: size[{d}]={shape[d]} does not fit "
+                                     "the kernel's 32-bit sizes")
+            layouts.append((shape, stride))
+        device = -1
+        scalars: list[int] = []
+        for plan, t, (shape, stride) in zip(self._plans, tensors, layouts):
+            if not t.is_cuda:
+                raise ValueError(f"{name}: {plan.name} must be a CUDA tensor, got {t.device}")
+            index = t.get_device()
+            if device not in (-1, index):
+                raise ValueError(f"{name}: tensors are on devices {device} and {index}")
+            device = index
+            ptr = t.data_ptr()
+            if ptr % plan.align:
+                raise ValueError(f"{name}: {plan.name}: data pointer must be {plan.align}-byte "
+                                 "aligned")
+            scalars.append(ptr)
+            scalars += [shape[d] for d in plan.dyn_shape]
+            scalars += [stride[d] for d in plan.dyn_stride]
+        return device, scalars
+
+
+_KERNELS: dict[str, CuteDslKernel] = {}
+_KERNELS_LOCK = threading.Lock()
+
+
+def load_kernel(artifact_dir: str | os.PathLike[str], *, runtime_lib: str | os.PathLike[str] |
+                None = None, verify_runtime: bool = True) -> CuteDslKernel:
+    """Open an artifact folder (``record.json`` + library); cached per library path.
+
+    Only ``ctypes``: no ``cutlass``, no ``torch`` and no CUDA call happens here.
+    """
+    directory = Path(artifact_dir).resolve()
+    key = str(directory)
+    with _KERNELS_LOCK:
+        kernel = _KERNELS.get(key)
+        if kernel is None:
+            try:
+                record = CuteExportRecord.model_validate_json((directory / RECORD_FILE).read_text())
+            except (OSError, ValueError) as exc:
+                raise CuteRuntimeError(f"{directory}: unreadable {RECORD_FILE}: {exc}") from exc
+            kernel = CuteDslKernel(directory, record,
+                                   runtime_lib=Path(runtime_lib) if runtime_lib else None,
+                                   verify_runtime=verify_runtime)
+            _KERNELS[key] = kernel
+        return kernel

@@ -1,0 +1,470 @@
+"""Toolchain fingerprint: every input outside a :class:`KernelSpec` that an artifact depends on.
+
+An artifact (cubin + launch record, CuTe DSL object) is valid for the compilers that built it
+and for our own kernel sources. :meth:`Toolchain.current` describes the installed toolchain
+without importing any compiler (no ``tilelang``, ``tvm``, ``tvm_ffi`` or ``cutlass``): package
+versions and content hashes come from each distribution's metadata (``RECORD`` lists the
+sha256 of every installed file), the nvcc version from the toolkit's version files (spawning
+``nvcc --version`` only as a fallback), and our kernel sources are hashed by content.
+Nothing is keyed on paths or mtimes.
+
+When an input cannot be read (a missing ``RECORD``, an editable compiler install, an nvcc that
+does not answer), the toolchain is marked ``complete=False`` with reasons; callers must then
+skip the disk cache rather than trust a weakened key.
+
+Environment variables read here: ``DSA_AOT_NVCC`` (path of the nvcc to key on; the build
+must use the same one), then ``CUDA_HOME`` / ``CUDA_PATH`` and ``PATH`` exactly as TileLang
+resolves its nvcc. ``TL_TEMPLATE_PATH``, ``TL_CUTLASS_PATH``, ``TVM_LIBRARY_PATH`` and
+``TVM_IMPORT_PYTHON_PATH`` (TileLang overrides) make the toolchain incomplete when they point
+outside the installed ``tilelang``, because their contents are not hashed.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import hashlib
+import importlib.metadata as md
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from dsa_aot.specs.probes import Features
+
+#: Bump to invalidate every cached artifact when the meaning of a field changes.
+SCHEMA_VERSION = 1
+
+#: Prefix of the CuTe DSL distributions (meta package, libs-base, libs-core, libs-cu12, ...).
+CUTLASS_DSL_PREFIX = "nvidia-cutlass-dsl"
+
+#: Build glue whose content shapes artifacts, relative to the ``dsa_aot`` package directory.
+BUILD_GLUE = ("tilelang_backend.py", "cutedsl_backend.py", "cutedsl_runtime.py", "launch.py")
+
+NVCC_TIMEOUT_S = 30.0
+
+_TILELANG_PATH_VARS = ("TL_TEMPLATE_PATH", "TL_CUTLASS_PATH", "TVM_LIBRARY_PATH", "TVM_IMPORT_PYTHON_PATH")
+_NVCC_RELEASE = re.compile(r"release (\d+)\.(\d+), V(\d+(?:\.\d+)+)")
+_VERSION = re.compile(r"^\d+\.\d+(?:\.\d+)*$")
+# CPython extension modules: built per interpreter (cpython-311, abi3 on 3.12, ...); hashing
+# them would split the key per Python version although their sources are identical.
+_PY_EXTENSION = re.compile(r"\.(?:abi3|cpython-[^./]+|cp\d+-[^./]+|pypy[^./]*)\.(?:so|pyd)$|\.pyd$")
+_NATIVE = re.compile(r"\.(?:so(?:\.\d+)*|dylib|dll)$")
+_SKIPPED_SOURCE_SUFFIXES = (".pyc", ".pyo", "~")
+
+
+class Distribution(BaseModel):
+    """One installed Python distribution, identified by name, version and content."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(description="normalized distribution name, e.g. 'nvidia-cutlass-dsl-libs-base'")
+    version: str = Field(description="version from the distribution's metadata")
+    content_sha256: str | None = Field(
+        None, description="sha256 over the RECORD lines of its installed files (see "
+        "record_digest); None where only the version is keyed")
+
+
+class Toolchain(BaseModel):
+    """Everything outside the kernel spec that decides whether a cached artifact is valid.
+
+    ``torch`` is deliberately absent: artifacts are cubins launched by our own launcher and
+    CuTe DSL objects, neither links torch. Build with :meth:`current` (memoized) or
+    :meth:`collect`; derive variants with ``model_copy(update=...)``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: int = Field(SCHEMA_VERSION, description="key format; bump to drop old entries")
+    tilelang: Distribution | None = Field(
+        description="TileLang (compiler, CUDA templates, bundled CUTLASS headers), content-hashed")
+    tvm_ffi: Distribution | None = Field(description="apache-tvm-ffi, content-hashed")
+    cutlass_dsl: tuple[Distribution, ...] = Field(
+        (), description="every installed nvidia-cutlass-dsl* distribution, sorted by name, "
+        "version only: its wheels differ per Python version (compiler DSO, static runtime)")
+    nvcc_version: str | None = Field(description="what `nvcc --version` reports, e.g. '13.0.88'")
+    cuda_driver_min: str | None = Field(
+        description="CUDA release nvcc targets, e.g. '13.0': the cubins need a driver that "
+        "supports at least this release")
+    python_abi: str | None = Field(
+        None, description="interpreter tag (e.g. 'cpython-311') for artifacts that load a "
+        "CPython extension; None for ours: cubins + launch records and CuTe DSL objects are C ABI")
+    host: str = Field(description="OS and CPU of the host code in artifacts, e.g. 'linux-x86_64' "
+                      "(CuTe DSL objects contain host code)")
+    kernel_sources_sha256: str = Field(description="hash_sources() over kernels/ and the build glue")
+    features: dict[str, Any] | None = Field(
+        None, description="probe results (Features.key_dict()) when artifacts depend on them")
+    complete: bool = Field(True, description="False when a key input could not be read")
+    incomplete_reasons: tuple[str, ...] = Field((), description="why complete is False")
+
+    def canonical_json(self) -> str:
+        """Canonical JSON of every field (sorted keys, no whitespace)."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def fingerprint(self) -> str:
+        """First 16 hex chars of the sha256 of :meth:`canonical_json`."""
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+
+    def with_features(self, features: Features) -> Toolchain:
+        """A copy keyed on probe results too, for artifacts whose code depends on them."""
+        return self.model_copy(update={"features": features.key_dict()})
+
+    @classmethod
+    def current(cls) -> Toolchain:
+        """The installed toolchain, computed once per process (see :meth:`collect`)."""
+        return _current()
+
+    @classmethod
+    def collect(cls, *, kernels_dir: Path | None = None, glue_dir: Path | None = None,
+                nvcc: Path | None = None, spawn_nvcc: bool = False, python_abi: bool = False,
+                search_path: Sequence[str] | None = None) -> Toolchain:
+        """Describe the installed toolchain now, without importing any compiler.
+
+        ``kernels_dir`` / ``glue_dir`` default to the installed ``dsa_aot.kernels`` and
+        ``dsa_aot`` package directories; ``nvcc`` defaults to :func:`resolve_nvcc`;
+        ``spawn_nvcc`` asks nvcc itself instead of the toolkit's version files;
+        ``search_path`` replaces ``sys.path`` when looking for distributions. Never raises
+        for an unreadable input: the result is then ``complete=False`` with reasons.
+        """
+        reasons: list[str] = []
+        dists = _installed_distributions(sys.path if search_path is None else search_path)
+        tilelang = _hashed_distribution(dists, "tilelang", reasons, expect_native=True)
+        tvm_ffi = _hashed_distribution(dists, "apache-tvm-ffi", reasons, expect_native=True)
+        cutlass = tuple(Distribution(name=name, version=_version(path, name, reasons))
+                        for name, path in sorted(dists.items()) if name.startswith(CUTLASS_DSL_PREFIX))
+        if tilelang is not None:
+            _check_tilelang_overrides(dists["tilelang"], reasons)
+        nvcc_ver = _nvcc_version_of(nvcc, spawn_nvcc, reasons)
+        try:
+            sources = hash_sources(kernel_source_files(kernels_dir, glue_dir))
+        except OSError as e:
+            reasons.append(f"cannot read kernel sources: {e}")
+            sources = "unreadable"
+        return cls(
+            tilelang=tilelang,
+            tvm_ffi=tvm_ffi,
+            cutlass_dsl=cutlass,
+            nvcc_version=nvcc_ver,
+            cuda_driver_min=None if nvcc_ver is None else ".".join(nvcc_ver.split(".")[:2]),
+            python_abi=sys.implementation.cache_tag if python_abi else None,
+            host=f"{sys.platform}-{_machine()}",
+            kernel_sources_sha256=sources,
+            complete=not reasons,
+            incomplete_reasons=tuple(reasons),
+        )
+
+
+@functools.lru_cache(maxsize=1)
+def _current() -> Toolchain:
+    return Toolchain.collect()
+
+
+def _nvcc_version_of(nvcc: Path | None, spawn: bool, reasons: list[str]) -> str | None:
+    named = nvcc is not None or bool(os.environ.get("DSA_AOT_NVCC"))
+    path = nvcc if nvcc is not None else resolve_nvcc()
+    if path is None:
+        return None  # no toolkit: nothing can be built here, and nothing is unreadable
+    if not path.exists():
+        if named:
+            reasons.append(f"nvcc {path} (named by DSA_AOT_NVCC or the caller) does not exist")
+        return None
+    version, error = nvcc_version(path, spawn=spawn)
+    if error:
+        reasons.append(error)
+    return version
+
+
+def _machine() -> str:
+    try:
+        return os.uname().machine
+    except AttributeError:  # Windows
+        import platform
+        return platform.machine()
+
+
+# --- distributions -------------------------------------------------------------------------
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _installed_distributions(search_path: Iterable[str]) -> dict[str, Path]:
+    """Normalized name -> metadata dir; the first entry of ``search_path`` wins, as for imports."""
+    found: dict[str, Path] = {}
+    for entry in search_path:
+        root = Path(entry or ".")
+        try:
+            names = os.listdir(root)
+        except OSError:
+            continue
+        for child in names:
+            stem, dot, kind = child.rpartition(".")
+            if not dot or kind not in ("dist-info", "egg-info"):
+                continue
+            name = _normalize(stem.split("-", 1)[0])
+            found.setdefault(name, root / child)
+    return found
+
+
+def _version(path: Path, name: str, reasons: list[str]) -> str:
+    try:
+        version = md.PathDistribution(path).version
+    except Exception as e:  # a broken METADATA file
+        version = None
+        reasons.append(f"{name}: cannot read its version from {path.name}: {e}")
+    return version or "unknown"
+
+
+def _hashed_distribution(dists: Mapping[str, Path], name: str, reasons: list[str],
+                         *, expect_native: bool) -> Distribution | None:
+    path = dists.get(name)
+    if path is None:
+        return None
+    version = _version(path, name, reasons)
+    digest, problems = record_digest(md.PathDistribution(path), expect_native=expect_native)
+    reasons.extend(f"{name}: {p}" for p in problems)
+    return Distribution(name=name, version=version, content_sha256=digest)
+
+
+def _skipped_record_path(path: str) -> bool:
+    """Files outside the content key: metadata, bytecode, scripts, CPython extension modules."""
+    if path.startswith(("../", "/")) or path.endswith((".pyc", ".pyo")) or "__pycache__/" in path:
+        return True  # scripts carry a per-venv shebang; bytecode is derived per install
+    if path.partition("/")[0].endswith((".dist-info", ".egg-info")):
+        return True
+    return path.endswith((".so", ".pyd")) and _PY_EXTENSION.search(path) is not None
+
+
+def record_digest(dist: md.Distribution, *, expect_native: bool = False) -> tuple[str | None, list[str]]:
+    """sha256 over the sorted ``path,hash,size`` RECORD lines of ``dist``'s installed files.
+
+    Skipped: metadata, bytecode, scripts and CPython extension modules (see
+    :func:`_skipped_record_path`). Returns ``(digest, [])``, or ``(None, problems)`` when
+    the RECORD is missing, a kept file has no hash, the install is editable (its RECORD
+    does not describe the built libraries), no native library is listed while
+    ``expect_native``, or a native library's size on disk differs from its RECORD line.
+    """
+    text = dist.read_text("RECORD")
+    if text is None:
+        return None, ["RECORD is missing; its installed files cannot be fingerprinted"]
+    direct_url = dist.read_text("direct_url.json")
+    if direct_url:
+        try:
+            editable = bool(json.loads(direct_url).get("dir_info", {}).get("editable"))
+        except (ValueError, AttributeError):
+            editable = False
+        if editable:
+            return None, ["editable install; its RECORD does not describe the built libraries"]
+    lines: list[str] = []
+    problems: list[str] = []
+    natives = 0
+    for line in text.splitlines():
+        # path,sha256=...,size; csv quoting only where a path has a comma or quote
+        row = next(csv.reader([line]), []) if '"' in line else line.rsplit(",", 2)
+        if not row or not row[0] or _skipped_record_path(row[0]):
+            continue
+        path, digest, size = (row + ["", ""])[:3]
+        if not digest:
+            problems.append(f"{path} has no hash in RECORD")
+            continue
+        lines.append(f"{path},{digest},{size}")
+        if _NATIVE.search(path):
+            natives += 1
+            try:
+                actual = os.stat(dist.locate_file(path)).st_size
+            except OSError as e:
+                problems.append(f"{path} is listed in RECORD but unreadable: {e.strerror}")
+                continue
+            if size.isdigit() and actual != int(size):
+                problems.append(f"{path} is {actual} bytes, RECORD says {size} (rebuilt in place?)")
+    if expect_native and natives == 0:
+        problems.append("RECORD lists no native library (source or develop install?)")
+    if problems:
+        return None, problems
+    lines.sort()
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest(), []
+
+
+def _check_tilelang_overrides(path: Path, reasons: list[str]) -> None:
+    """TileLang reads templates/headers/libraries from these variables when set."""
+    package = os.path.realpath(md.PathDistribution(path).locate_file("tilelang"))
+    for var in _TILELANG_PATH_VARS:
+        value = os.environ.get(var)
+        if not value:
+            continue
+        for item in value.split(os.pathsep):
+            real = os.path.realpath(item)
+            if item and real != package and not real.startswith(package + os.sep):
+                reasons.append(f"{var}={value} points outside the installed tilelang ({package}); "
+                               "its contents are not in the key")
+                break
+
+
+# --- nvcc ----------------------------------------------------------------------------------
+
+def resolve_nvcc(environ: Mapping[str, str] | None = None) -> Path | None:
+    """The nvcc that builds use: ``DSA_AOT_NVCC``, else the one TileLang resolves.
+
+    TileLang's order: ``CUDA_HOME`` / ``CUDA_PATH``; ``nvcc`` on ``PATH`` (its toolkit root,
+    following symlinks unless the visible root has ``include/cuda_runtime.h``); the
+    ``nvidia-cuda-nvcc`` wheel; ``/usr/local/cuda``. Returns None when no nvcc exists.
+    """
+    env = os.environ if environ is None else environ
+    explicit = env.get("DSA_AOT_NVCC")
+    if explicit:
+        return Path(explicit)
+    home = env.get("CUDA_HOME") or env.get("CUDA_PATH")
+    if home:
+        candidate = Path(home, "bin", "nvcc")
+        return candidate if candidate.exists() else None
+    found = shutil.which("nvcc", path=env.get("PATH"))
+    if found:
+        visible = Path(found).parent.parent
+        if (visible / "include" / "cuda_runtime.h").exists():
+            return visible / "bin" / "nvcc"
+        return Path(os.path.realpath(found)).parent.parent / "bin" / "nvcc"
+    try:
+        files = md.files("nvidia-cuda-nvcc") or []
+    except md.PackageNotFoundError:
+        files = []
+    for f in files:
+        if f.name == "nvcc":
+            return Path(f.locate())
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return default if default.exists() else None
+
+
+def nvcc_version(nvcc: Path, *, spawn: bool = False) -> tuple[str | None, str | None]:
+    """Version nvcc reports (``'13.0.88'``), read cheaply where the toolkit records it.
+
+    For a real nvcc binary at ``<root>/bin/nvcc``: ``<root>/version.json`` (NVIDIA's
+    installers), else the ``nvidia-cuda-nvcc`` wheel metadata that installed it. Otherwise,
+    or with ``spawn``, runs ``nvcc --version`` (once per process and path). Returns
+    ``(version, None)`` or ``(None, error text)``.
+    """
+    if not spawn:
+        version = _nvcc_version_from_files(nvcc)
+        if version is not None:
+            return version, None
+    return _nvcc_version_spawned(str(nvcc))
+
+
+def _nvcc_version_from_files(nvcc: Path) -> str | None:
+    if nvcc.parent.name != "bin":
+        return None
+    try:
+        with open(nvcc, "rb") as f:
+            if f.read(4) != b"\x7fELF":
+                return None  # a wrapper script: the toolkit beside it may not be the one it runs
+    except OSError:
+        return None
+    root = nvcc.parent.parent
+    for read in (_version_json, _toolkit_dist_info, _nvcc_wheel):
+        version = read(root, nvcc)
+        if isinstance(version, str) and _VERSION.match(version):
+            return version
+    return None
+
+
+def _version_json(root: Path, nvcc: Path) -> str | None:
+    """NVIDIA's installers write ``<root>/version.json`` (CUDA 11.1+)."""
+    try:
+        return json.loads((root / "version.json").read_text()).get("cuda_nvcc", {}).get("version")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _toolkit_dist_info(root: Path, nvcc: Path) -> str | None:
+    """A toolkit assembled from NVIDIA's wheels, their metadata kept in ``<root>/dist-info``."""
+    try:
+        children = os.listdir(root / "dist-info")
+    except OSError:
+        return None
+    for child in children:
+        if child.endswith(".dist-info") and _normalize(child.split("-", 1)[0]) == "nvidia-cuda-nvcc":
+            return md.PathDistribution(root / "dist-info" / child).version
+    return None
+
+
+def _nvcc_wheel(root: Path, nvcc: Path) -> str | None:
+    """The ``nvidia-cuda-nvcc`` wheel installed into this environment, if it owns ``nvcc``."""
+    try:
+        dist = md.distribution("nvidia-cuda-nvcc")
+    except md.PackageNotFoundError:
+        return None
+    if any(f.name == "nvcc" and Path(f.locate()) == nvcc for f in dist.files or []):
+        return dist.version
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _nvcc_version_spawned(nvcc: str) -> tuple[str | None, str | None]:
+    try:
+        proc = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=NVCC_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"`{nvcc} --version` failed: {e}"
+    match = _NVCC_RELEASE.search(proc.stdout)
+    if proc.returncode != 0 or match is None:
+        tail = (proc.stdout + proc.stderr).strip()[-300:]
+        return None, f"`{nvcc} --version` exited {proc.returncode} without a release line: {tail!r}"
+    return match.group(3), None
+
+
+# --- our sources ---------------------------------------------------------------------------
+
+def _package_dir(module: str) -> Path | None:
+    """Directory of a package without executing it (its parent package is imported)."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def kernel_source_files(kernels_dir: Path | None = None, glue_dir: Path | None = None) -> dict[str, Path]:
+    """Key name -> file for every kernel source and the build glue present.
+
+    Every file under ``kernels_dir`` (default: the ``dsa_aot.kernels`` package) except
+    bytecode, ``__pycache__`` and dot-files, named ``kernels/<relative path>``; plus
+    ``aot/<name>`` for each of :data:`BUILD_GLUE` found in ``glue_dir`` (default: the
+    ``dsa_aot`` package). Raises ``FileNotFoundError`` when the kernels directory is missing.
+    """
+    kernels_dir = kernels_dir if kernels_dir is not None else _package_dir("dsa_aot.kernels")
+    glue_dir = glue_dir if glue_dir is not None else _package_dir("dsa_aot")
+    if kernels_dir is None or not kernels_dir.is_dir():
+        raise FileNotFoundError(f"kernel sources not found (kernels dir: {kernels_dir})")
+    files: dict[str, Path] = {}
+    for dirpath, dirnames, filenames in os.walk(kernels_dir):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__" and not d.startswith(".")]
+        for fname in filenames:
+            if fname.startswith(".") or fname.endswith(_SKIPPED_SOURCE_SUFFIXES):
+                continue
+            path = Path(dirpath, fname)
+            files["kernels/" + path.relative_to(kernels_dir).as_posix()] = path
+    if glue_dir is not None:
+        for fname in BUILD_GLUE:
+            path = glue_dir / fname
+            if path.is_file():
+                files["aot/" + fname] = path
+    return files
+
+
+def hash_sources(files: Mapping[str, Path] | Iterable[tuple[str, Path]]) -> str:
+    """sha256 (hex) over key names and file contents, independent of order and location."""
+    items = files.items() if isinstance(files, Mapping) else files
+    h = hashlib.sha256()
+    for name, path in sorted(items):
+        h.update(f"{name}\0{hashlib.sha256(Path(path).read_bytes()).hexdigest()}\n".encode())
+    return h.hexdigest()

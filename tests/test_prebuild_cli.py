@@ -1,0 +1,123 @@
+"""End to end on the CPU: `dsa-aot prebuild` compiles a small catalog for sm_90a and sm_100a
+for real, then status / verify / export / import / gc work on those artifacts."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsa_aot.artifact import ArtifactManifest
+from dsa_aot.backends import STAGE_PARAMS
+from dsa_aot.cache.store import ArtifactStore
+from dsa_aot.specs.toolchain import Toolchain
+
+SMALL = ["fwd-sm_90a-d576-h64-noncompact-tilelang", "fwd-sm_100a-d512-h16-compact-tilelang",
+         "bwd-sm_90a-d512-h128-compact-tilelang", "bwd-sm_100a-d576-h32-noncompact-tilelang"]
+
+
+def cli(*args: str, root: Path, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DSA_AOT_CACHE_DIR=str(root), TILELANG_PRINT_ON_COMPILATION="0")
+    env.pop("DSA_AOT_PREBUILT_DIR", None)
+    proc = subprocess.run([sys.executable, "-m", "dsa_aot.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=1800)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"dsa-aot {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("prebuilt")
+    only = [a for s in SMALL for a in ("--only", s)]
+    proc = cli("prebuild", "-q", "--jobs", "2", *only, root=root)
+    assert f"built{'':<15}{len(SMALL):>5}" in proc.stdout, proc.stdout
+    return root
+
+
+def _sm_of_cubin(data: bytes) -> int:
+    assert data[:4] == b"\x7fELF"
+    e_flags = struct.unpack_from("<I", data, 48)[0]
+    return (e_flags >> 8) & 0xFF
+
+
+def test_artifacts_are_cubins_for_their_arch(built):
+    store = ArtifactStore(built)
+    fp = Toolchain.current().fingerprint
+    for spec_id in SMALL:
+        arch = spec_id.split("-")[1]
+        entry = store.lookup(fp, arch, spec_id)
+        assert entry is not None, spec_id
+        manifest = ArtifactManifest.model_validate(entry.meta.payload)
+        assert manifest.spec.id == spec_id and manifest.fingerprint == fp
+        expected = ["fwd"] if spec_id.startswith("fwd") else ["bwd_preprocess", "bwd_main", "bwd_postprocess"]
+        assert [s.name for s in manifest.stages] == expected
+        for stage in manifest.stages:
+            names = {p.name for p in stage.launch.params}
+            assert names <= STAGE_PARAMS[stage.name]
+            assert ("topk_length" in names) == (manifest.spec.layout == "compact" and stage.name in ("fwd", "bwd_main"))
+            assert _sm_of_cubin(store.read_file(entry, stage.file)) == int(arch[3:-1])
+        assert store.verify(entry) == []
+
+
+def test_second_prebuild_is_all_cached(built):
+    only = [a for s in SMALL for a in ("--only", s)]
+    proc = cli("prebuild", "-q", *only, root=built)
+    assert f"cached{'':<14}{len(SMALL):>5}" in proc.stdout and "built                   0" in proc.stdout
+
+
+def test_list_and_status_json(built):
+    listed = json.loads(cli("list", "--json", root=built).stdout)
+    assert len(listed) == 64
+    assert {"id", "op", "arch", "d_qk", "heads", "layout", "backend"} <= set(listed[0])
+    states = json.loads(cli("status", "--json", root=built).stdout)
+    assert {k for k, v in states.items() if v == "cached"} == set(SMALL)
+    assert set(states.values()) == {"cached", "missing"}
+
+
+def test_verify_detects_and_quarantines_damage(built, tmp_path):
+    root = tmp_path / "copy"
+    cli("export", str(tmp_path / "all.tar"), root=built)
+    cli("import", str(tmp_path / "all.tar"), root=root)
+    assert cli("verify", root=root).returncode == 0
+    cubin = next(root.rglob("fwd.cubin"))
+    data = bytearray(cubin.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    cubin.write_bytes(bytes(data))
+    bad = cli("verify", "--quarantine", root=root, check=False)
+    assert bad.returncode == 1 and "sha256 mismatch" in bad.stdout
+    states = json.loads(cli("status", "--json", root=root).stdout)
+    assert sum(v == "failed" for v in states.values()) == 1
+    assert sum(v == "cached" for v in states.values()) == len(SMALL) - 1
+
+
+def test_export_import_round_trip(built, tmp_path):
+    bundle = tmp_path / "k.tar"
+    assert "exported 4 entries" in cli("export", str(bundle), root=built).stdout
+    dst = tmp_path / "dst"
+    assert "imported 4 entries" in cli("import", str(bundle), root=dst).stdout
+    assert json.loads(cli("status", "--json", root=dst).stdout) == json.loads(cli("status", "--json", root=built).stdout)
+
+
+def test_gc_removes_other_toolchains(built, tmp_path):
+    root = tmp_path / "gc"
+    cli("export", str(tmp_path / "b.tar"), root=built)
+    cli("import", str(tmp_path / "b.tar"), root=root)
+    stale = root / "0000000000000000" / "sm_90a" / "x"
+    stale.mkdir(parents=True)
+    (stale / "meta.json").write_text("{}")
+    out = cli("gc", root=root).stdout
+    assert "removed 1 other toolchains" in out and not stale.exists()
+    assert sum(v == "cached" for v in json.loads(cli("status", "--json", root=root).stdout).values()) == len(SMALL)
+
+
+def test_bad_arguments_exit_nonzero(tmp_path):
+    proc = cli("prebuild", "--arch", "sm_80", root=tmp_path, check=False)
+    assert proc.returncode != 0 and "sm_80" in (proc.stdout + proc.stderr)
+    proc = cli("prebuild", "--shard", "5/2", root=tmp_path, check=False)
+    assert proc.returncode != 0

@@ -1,0 +1,409 @@
+"""Key coverage of the toolchain fingerprint: change one input at a time, the key must change.
+
+Most tests build a small installed environment on disk (dist-info folders with real RECORD
+files, a toolkit with version.json, a copy of our kernel sources) and run the real
+``Toolchain.collect`` over it, so every input reaches the key through the code that reads it.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import dsa_aot
+import dsa_aot.specs.toolchain as tc
+from dsa_aot.specs.probes import Features
+from dsa_aot.specs.toolchain import Distribution, Toolchain, hash_sources, kernel_source_files, resolve_nvcc
+
+REPO_KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+REPO_AOT = Path(dsa_aot.__file__).resolve().parent
+
+
+def _record_line(rel: str, data: bytes) -> str:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"{rel},sha256={digest},{len(data)}"
+
+
+class FakeEnv:
+    """A site-packages folder, a CUDA toolkit and copies of our sources under one root."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.site = root / "site"
+        self.kernels = root / "kernels"
+        self.glue = root / "aot"
+        self.nvcc = root / "cuda" / "bin" / "nvcc"
+        self.site.mkdir(parents=True)
+        shutil.copytree(REPO_KERNELS, self.kernels, ignore=shutil.ignore_patterns("__pycache__"))
+        self.glue.mkdir()
+        for name in tc.BUILD_GLUE:
+            if (REPO_AOT / name).exists():
+                shutil.copy(REPO_AOT / name, self.glue / name)
+        self.nvcc.parent.mkdir(parents=True)
+        self.nvcc.write_bytes(b"\x7fELF" + b"\0" * 60)  # the cheap path only checks the magic
+        self.set_nvcc_version("12.8.93")
+        self.install("tilelang", "0.1.15", {
+            "tilelang/__init__.py": b"__version__ = '0.1.15'\n",
+            "tilelang/lib/libtilelang.so": b"\x7fELF tilelang compiler",
+            "tilelang/lib/libtvm_runtime.so": b"\x7fELF tvm runtime",
+            "tilelang/src/tl_templates/cuda/common.h": b"#pragma once\n",
+        }, extra=["../../../bin/tilelang-cli,sha256=abc,10",
+                  "tilelang/__pycache__/__init__.cpython-311.pyc,,"])
+        self.install("apache-tvm-ffi", "0.1.12", {
+            "tvm_ffi/__init__.py": b"",
+            "tvm_ffi/lib/libtvm_ffi.so": b"\x7fELF ffi",
+            "tvm_ffi/core.cpython-311-x86_64-linux-gnu.so": b"\x7fELF ext",
+        })
+        self.install("nvidia-cutlass-dsl", "4.8.1", {})
+        self.install("nvidia-cutlass-dsl-libs-base", "4.8.1",
+                     {"nvidia_cutlass_dsl/lib/libx.so": b"\x7fELF x"})
+        self.install("unrelated-package", "1.0", {"unrelated/__init__.py": b""})
+
+    def dist_info(self, name: str) -> Path:
+        (found,) = self.site.glob(f"{name.replace('-', '_')}-*.dist-info")
+        return found
+
+    def install(self, name: str, version: str, files: dict[str, bytes], extra: list[str] = ()) -> None:
+        info = self.site / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        for rel, data in files.items():
+            (self.site / rel).parent.mkdir(parents=True, exist_ok=True)
+            (self.site / rel).write_bytes(data)
+        lines = [_record_line(rel, data) for rel, data in files.items()]
+        lines += [f"{info.name}/METADATA,,", f"{info.name}/RECORD,,", *extra]
+        (info / "RECORD").write_text("\n".join(lines) + "\n")
+
+    def set_version(self, name: str, version: str) -> None:
+        meta = self.dist_info(name) / "METADATA"
+        meta.write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+    def replace_file(self, name: str, rel: str, data: bytes) -> None:
+        """Reinstall one file of a distribution: new content and its RECORD line."""
+        (self.site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (self.site / rel).write_bytes(data)
+        record = self.dist_info(name) / "RECORD"
+        lines = [ln for ln in record.read_text().splitlines() if not ln.startswith(rel + ",")]
+        record.write_text("\n".join(lines + [_record_line(rel, data)]) + "\n")
+
+    def set_nvcc_version(self, version: str) -> None:
+        (self.nvcc.parent.parent / "version.json").write_text(json.dumps({
+            "cuda": {"name": "CUDA SDK", "version": version},
+            "cuda_nvcc": {"name": "CUDA NVCC", "version": version}}))
+
+    def collect(self, **kw) -> Toolchain:
+        kw = {"kernels_dir": self.kernels, "glue_dir": self.glue, "nvcc": self.nvcc,
+              "search_path": [str(self.site)], **kw}
+        return Toolchain.collect(**kw)
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch) -> FakeEnv:
+    for var in (*tc._TILELANG_PATH_VARS, "DSA_AOT_NVCC"):  # an imported tilelang sets some of these
+        monkeypatch.delenv(var, raising=False)
+    return FakeEnv(tmp_path / "env")
+
+
+def test_fake_environment_is_read(env):
+    t = env.collect()
+    assert t.complete, t.incomplete_reasons
+    assert t.tilelang.version == "0.1.15" and len(t.tilelang.content_sha256) == 64
+    assert t.tvm_ffi.name == "apache-tvm-ffi" and t.tvm_ffi.content_sha256
+    assert [d.name for d in t.cutlass_dsl] == ["nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base"]
+    assert all(d.content_sha256 is None for d in t.cutlass_dsl)
+    assert (t.nvcc_version, t.cuda_driver_min) == ("12.8.93", "12.8")
+    assert t.python_abi is None and t.features is None
+
+
+def test_identical_recomputation_gives_same_fingerprint(env):
+    a, b = env.collect(), env.collect()
+    assert a == b and a.fingerprint == b.fingerprint
+
+
+def _edit_kernel(env: FakeEnv) -> None:
+    path = sorted(env.kernels.glob("*.py"))[-1]
+    path.write_text(path.read_text() + "\n# edited\n")
+
+
+CHANGES = {
+    "tilelang version": lambda e: e.set_version("tilelang", "0.1.16"),
+    "tilelang native lib": lambda e: e.replace_file(
+        "tilelang", "tilelang/lib/libtilelang.so", b"\x7fELF rebuilt"),
+    "tilelang template header": lambda e: e.replace_file(
+        "tilelang", "tilelang/src/tl_templates/cuda/common.h", b"#pragma once\n// fix\n"),
+    "tilelang new file": lambda e: e.replace_file("tilelang", "tilelang/lib/libextra.so", b"\x7fELF"),
+    "tvm-ffi version": lambda e: e.set_version("apache-tvm-ffi", "0.1.13"),
+    "tvm-ffi native lib": lambda e: e.replace_file(
+        "apache-tvm-ffi", "tvm_ffi/lib/libtvm_ffi.so", b"\x7fELF v2"),
+    "cutlass-dsl version": lambda e: e.set_version("nvidia-cutlass-dsl-libs-base", "4.5.3"),
+    "cutlass-dsl package added": lambda e: e.install("nvidia-cutlass-dsl-libs-cu13", "4.8.1", {}),
+    "tilelang uninstalled": lambda e: shutil.rmtree(e.dist_info("tilelang")),
+    "nvcc version": lambda e: e.set_nvcc_version("12.9.41"),
+    "kernel source edit": _edit_kernel,
+    "kernel file added": lambda e: (e.kernels / "sub").mkdir()
+    or (e.kernels / "sub" / "new.cuh").write_text("//\n"),
+    "kernel file renamed": lambda e: (e.kernels / "__init__.py").rename(e.kernels / "init_.py"),
+    "build glue edit": lambda e: (e.glue / "tilelang_backend.py").write_text(
+        (e.glue / "tilelang_backend.py").read_text() + "\n# edited\n"),
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_each_input_changes_fingerprint(env, change):
+    before = env.collect()
+    CHANGES[change](env)
+    after = env.collect()
+    assert after.complete, after.incomplete_reasons
+    assert after.fingerprint != before.fingerprint, change
+
+
+NO_OPS = {
+    "kernel rewritten unchanged": lambda e: [p.write_bytes(p.read_bytes()) for p in e.kernels.glob("*.py")],
+    "kernel bytecode": lambda e: (e.kernels / "__pycache__").mkdir(exist_ok=True)
+    or (e.kernels / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"\0"),
+    "editor dot-file": lambda e: (e.kernels / ".x.py.swp").write_bytes(b"\0"),
+    "unrelated package": lambda e: e.set_version("unrelated-package", "2.0"),
+    "CPython extension rebuilt": lambda e: e.replace_file(
+        "apache-tvm-ffi", "tvm_ffi/core.cpython-311-x86_64-linux-gnu.so", b"\x7fELF for 3.11 again"),
+    "extension for another Python": lambda e: e.replace_file(
+        "apache-tvm-ffi", "tvm_ffi/core.abi3.so", b"\x7fELF abi3"),
+    "bytecode listed in RECORD": lambda e: e.replace_file(
+        "tilelang", "tilelang/__pycache__/__init__.cpython-312.pyc", b"pyc"),
+}
+
+
+@pytest.mark.parametrize("change", sorted(NO_OPS))
+def test_no_op_changes_keep_fingerprint(env, change):
+    before = env.collect()
+    NO_OPS[change](env)
+    assert env.collect().fingerprint == before.fingerprint
+
+
+def test_fingerprint_does_not_depend_on_location(env, tmp_path):
+    before = env.collect()
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(env.root, moved, symlinks=True)
+    env.root, env.site, env.kernels, env.glue = moved, moved / "site", moved / "kernels", moved / "aot"
+    env.nvcc = moved / "cuda" / "bin" / "nvcc"
+    assert env.collect().fingerprint == before.fingerprint
+
+
+def test_nvcc_reported_by_spawning_when_no_version_file(env, tmp_path):
+    script = tmp_path / "wrapper" / "nvcc"
+    script.parent.mkdir()
+    script.write_text("#!/bin/sh\necho 'nvcc: NVIDIA (R) Cuda compiler driver'\n"
+                      "echo 'Cuda compilation tools, release 12.9, V12.9.41'\n")
+    script.chmod(0o755)
+    t = env.collect(nvcc=script)
+    assert t.complete, t.incomplete_reasons
+    assert (t.nvcc_version, t.cuda_driver_min) == ("12.9.41", "12.9")
+
+
+# --- unreadable inputs mark the toolchain incomplete ----------------------------------------
+
+def _broken_nvcc(e: FakeEnv) -> None:
+    e.nvcc.parent.parent.joinpath("version.json").unlink()
+    e.nvcc.write_text("#!/bin/sh\necho garbage\nexit 3\n")
+    e.nvcc.chmod(0o755)
+
+
+INCOMPLETE = {
+    "RECORD missing": (lambda e: (e.dist_info("tilelang") / "RECORD").unlink(), "RECORD is missing"),
+    "editable install": (lambda e: (e.dist_info("tilelang") / "direct_url.json").write_text(
+        json.dumps({"url": "file:///src/tilelang", "dir_info": {"editable": True}})), "editable"),
+    "lib rebuilt in place": (
+        lambda e: (e.site / "tilelang/lib/libtilelang.so").write_bytes(b"\x7fELF longer build"),
+        "rebuilt in place"),
+    "lib deleted": (lambda e: (e.site / "tilelang/lib/libtilelang.so").unlink(), "unreadable"),
+    "no native lib": (lambda e: (e.dist_info("apache-tvm-ffi") / "RECORD").write_text(
+        _record_line("tvm_ffi/__init__.py", b"") + "\n"), "no native library"),
+    "unhashed file": (lambda e: (e.dist_info("tilelang") / "RECORD").open("a").write(
+        "tilelang/extra.py,,\n"), "no hash"),
+    "nvcc unreadable": (_broken_nvcc, "--version"),
+    "kernels dir missing": (lambda e: shutil.rmtree(e.kernels), "kernel sources not found"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INCOMPLETE))
+def test_unreadable_input_marks_incomplete(env, case):
+    breaker, reason = INCOMPLETE[case]
+    breaker(env)
+    t = env.collect()
+    assert not t.complete
+    assert any(reason in r for r in t.incomplete_reasons), t.incomplete_reasons
+
+
+def test_template_override_outside_tilelang_is_incomplete(env, monkeypatch, tmp_path):
+    monkeypatch.setenv("TL_TEMPLATE_PATH", str(env.site / "tilelang" / "src"))
+    assert env.collect().complete
+    monkeypatch.setenv("TL_TEMPLATE_PATH", str(tmp_path))
+    t = env.collect()
+    assert not t.complete and "TL_TEMPLATE_PATH" in t.incomplete_reasons[0]
+
+
+def test_named_nvcc_that_does_not_exist_is_incomplete(env, monkeypatch, tmp_path):
+    monkeypatch.setenv("DSA_AOT_NVCC", str(tmp_path / "no" / "nvcc"))
+    t = env.collect(nvcc=None)
+    assert not t.complete and "does not exist" in t.incomplete_reasons[0]
+
+
+def test_absent_packages_are_none_not_incomplete(env, tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-toolkit"))  # resolve_nvcc() finds none
+    t = env.collect(search_path=[str(tmp_path / "empty")], nvcc=None)
+    assert t.complete
+    assert (t.tilelang, t.tvm_ffi, t.cutlass_dsl, t.nvcc_version) == (None, None, (), None)
+
+
+# --- the model itself ------------------------------------------------------------------------
+
+def _features(**update) -> Features:
+    base = Features(archs=("sm_100a", "sm_90a"), tilelang_importable=True, cutlass_dsl_importable=True,
+                    cute_math_isfinite=True, tilelang_bool_fragment_ok={"sm_90a": True, "sm_100a": False},
+                    nvcc_version="13.0.88", nvcc_archs={"sm_90a": True, "sm_100a": True},
+                    errors={"tilelang_bool_fragment_ok[sm_100a]": "Cannot convert type boolx8"})
+    return base.model_copy(update=update)
+
+
+FIELD_CHANGES = {
+    "schema_version": 2,
+    "tilelang": Distribution(name="tilelang", version="0.1.15", content_sha256="0" * 64),
+    "tvm_ffi": None,
+    "cutlass_dsl": (),
+    "nvcc_version": "13.0.89",
+    "cuda_driver_min": "13.1",
+    "python_abi": "cpython-312",
+    "host": "linux-aarch64",
+    "kernel_sources_sha256": "f" * 64,
+    "features": _features().key_dict(),
+    "complete": False,
+    "incomplete_reasons": ("x",),
+}
+
+
+def test_every_field_is_in_the_fingerprint(env):
+    assert set(FIELD_CHANGES) == set(Toolchain.model_fields), "a new field needs a key-coverage case"
+    base = env.collect()
+    prints = {base.fingerprint}
+    for name, value in FIELD_CHANGES.items():
+        assert getattr(base, name) != value, name
+        prints.add(base.model_copy(update={name: value}).fingerprint)
+    assert len(prints) == len(FIELD_CHANGES) + 1
+
+
+def test_fingerprint_is_sha256_of_sorted_canonical_json(env):
+    t = env.collect()
+    text = t.canonical_json()
+    assert list(json.loads(text)) == sorted(Toolchain.model_fields)
+    assert t.fingerprint == hashlib.sha256(text.encode()).hexdigest()[:16]
+    assert Toolchain.model_validate_json(text) == t
+
+
+def test_probe_results_change_fingerprint_but_error_text_does_not(env):
+    base = env.collect()
+    with_f = base.with_features(_features())
+    flipped = base.with_features(_features(cute_math_isfinite=False))
+    bool_fixed = base.with_features(_features(tilelang_bool_fragment_ok={"sm_90a": True, "sm_100a": True}))
+    reworded = base.with_features(_features(errors={"x": "other text"}, toolchain="abc"))
+    assert len({base.fingerprint, with_f.fingerprint, flipped.fingerprint, bool_fixed.fingerprint}) == 4
+    assert reworded.fingerprint == with_f.fingerprint
+
+
+def test_hash_sources_takes_explicit_paths(tmp_path):
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("x = 1\n")
+    b.write_text("x = 1\n")
+    assert hash_sources({"kernels/a.py": a}) == hash_sources([("kernels/a.py", b)])  # content, not path
+    assert hash_sources({"kernels/a.py": a}) != hash_sources({"kernels/b.py": a})    # the name counts
+    both = {"kernels/a.py": a, "kernels/b.py": b}
+    assert hash_sources(both) == hash_sources(dict(reversed(list(both.items()))))
+    b.write_text("x = 2\n")
+    assert hash_sources(both) != hash_sources({"kernels/a.py": a, "kernels/b.py": a})
+
+
+def test_kernel_source_files_default_to_installed_packages():
+    files = kernel_source_files()
+    assert "kernels/__init__.py" in files and "aot/launch.py" in files
+    assert all(p.is_file() and "__pycache__" not in p.parts for p in files.values())
+
+
+# --- nvcc resolution ------------------------------------------------------------------------
+
+def test_resolve_nvcc_order(tmp_path):
+    toolkit = tmp_path / "cuda-12.8"
+    (toolkit / "bin").mkdir(parents=True)
+    (toolkit / "bin" / "nvcc").write_text("#!/bin/sh\n")
+    (toolkit / "bin" / "nvcc").chmod(0o755)
+    linked = tmp_path / "local" / "bin"
+    linked.mkdir(parents=True)
+    (linked / "nvcc").symlink_to(toolkit / "bin" / "nvcc")
+    assert resolve_nvcc({"DSA_AOT_NVCC": "/x/nvcc", "CUDA_HOME": str(toolkit)}) == Path("/x/nvcc")
+    assert resolve_nvcc({"CUDA_HOME": str(toolkit), "PATH": str(linked)}) == toolkit / "bin" / "nvcc"
+    assert resolve_nvcc({"CUDA_PATH": str(toolkit), "PATH": ""}) == toolkit / "bin" / "nvcc"
+    # On PATH through a symlink: the real toolkit, unless the visible root has the headers.
+    assert resolve_nvcc({"PATH": str(linked)}) == toolkit / "bin" / "nvcc"
+    (linked.parent / "include").mkdir()
+    (linked.parent / "include" / "cuda_runtime.h").write_text("")
+    assert resolve_nvcc({"PATH": str(linked)}) == linked / "nvcc"
+
+
+@pytest.mark.skipif(resolve_nvcc() is None, reason="no nvcc on this machine")
+def test_version_files_agree_with_nvcc_itself():
+    candidates = {resolve_nvcc(), Path("/usr/local/cuda/bin/nvcc")}
+    for nvcc in sorted(p for p in candidates if p.exists()):
+        cheap = tc.nvcc_version(nvcc)
+        spawned = tc.nvcc_version(nvcc, spawn=True)
+        assert cheap == spawned and spawned[1] is None, (nvcc, cheap, spawned)
+
+
+# --- the real environment ---------------------------------------------------------------------
+
+def test_current_is_memoized_and_matches_collect():
+    assert Toolchain.current() is Toolchain.current()
+    assert Toolchain.current().fingerprint == Toolchain.collect().fingerprint
+
+
+def test_current_in_fresh_process_imports_no_compiler():
+    code = textwrap.dedent("""
+        import json, sys, time
+        from dsa_aot.specs.toolchain import Toolchain
+        t0 = time.perf_counter()
+        t = Toolchain.current()
+        ms = (time.perf_counter() - t0) * 1e3
+        heavy = sorted(m for m in sys.modules
+                       if m.split(".")[0] in ("tilelang", "tvm", "tvm_ffi", "cutlass", "torch"))
+        print(json.dumps({"fingerprint": t.fingerprint, "heavy": heavy, "ms": ms}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["heavy"] == []
+    assert result["fingerprint"] == Toolchain.collect().fingerprint  # stable across processes
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="tilelang not installed")
+def test_importing_tilelang_does_not_change_the_key():
+    # TileLang exports TL_TEMPLATE_PATH, TL_CUTLASS_PATH, TVM_LIBRARY_PATH at import; they point
+    # into the installed package, so the key must stay complete and equal.
+    code = textwrap.dedent("""
+        import json
+        from dsa_aot.specs.toolchain import Toolchain
+        before = Toolchain.collect()
+        import tilelang  # noqa: F401
+        after = Toolchain.collect()
+        print(json.dumps([before.fingerprint, after.fingerprint, after.complete, after.incomplete_reasons]))
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in tc._TILELANG_PATH_VARS}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    before, after, complete, reasons = json.loads(out.stdout.strip().splitlines()[-1])
+    assert complete, reasons
+    assert before == after
