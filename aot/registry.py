@@ -4,20 +4,36 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Literal
+
+#: How a stage is compiled: ``tilelang`` (in process, to a cubin) or ``cutedsl`` (in a
+#: ``CUTE_DSL_ARCH`` worker process, to a shared library; see :mod:`dsa_aot.cutedsl_backend`).
+StageKind = Literal["tilelang", "cutedsl"]
 
 
 @dataclass(frozen=True)
 class StageDef:
-    """One kernel of an op: ``builder(spec) -> (prim_func, pass_configs)`` in ``module``."""
+    """One kernel of an op, built by ``builder`` in ``module``.
+
+    ``tilelang`` stages: ``builder(spec) -> (prim_func, pass_configs)``, resolved in the build
+    process. ``cutedsl`` stages name their kernel module and compile function for reference
+    only: they are compiled by :func:`dsa_aot.cutedsl_backend.build_cutedsl` in a worker whose
+    ``CUTE_DSL_ARCH`` is set before ``cutlass`` is imported, so they are never resolved here.
+    """
 
     name: str
     module: str
     builder: str
+    kind: StageKind = "tilelang"
 
     def resolve(self) -> Callable[..., Any]:
+        if self.kind != "tilelang":
+            raise TypeError(f"stage {self.name} is a {self.kind} stage; it is compiled in a worker "
+                            "process (dsa_aot.cutedsl_backend.build_cutedsl), not resolved in this one")
         return getattr(importlib.import_module(self.module), self.builder)
 
+
+_TILELANG_BWD_MAIN = StageDef("bwd_main", "dsa_aot.kernels.tilelang_bwd", "build_bwd_main")
 
 STAGES: dict[tuple[str, str], tuple[StageDef, ...]] = {
     ("tilelang", "fwd"): (
@@ -25,8 +41,16 @@ STAGES: dict[tuple[str, str], tuple[StageDef, ...]] = {
     ),
     ("tilelang", "bwd"): (
         StageDef("bwd_preprocess", "dsa_aot.kernels.tilelang_bwd_preprocess", "build_bwd_preprocess"),
-        StageDef("bwd_main", "dsa_aot.kernels.tilelang_bwd", "build_bwd_main"),
+        _TILELANG_BWD_MAIN,
         StageDef("bwd_postprocess", "dsa_aot.kernels.tilelang_bwd_postprocess", "build_bwd_postprocess"),
+    ),
+    # Hybrid: CuTe DSL pre/post-processing around the TileLang main kernel.
+    ("cutedsl", "bwd"): (
+        StageDef("bwd_preprocess", "dsa_aot.kernels.cutedsl_bwd_preprocess", "compile_bwd_preprocess",
+                 kind="cutedsl"),
+        _TILELANG_BWD_MAIN,
+        StageDef("bwd_postprocess", "dsa_aot.kernels.cutedsl_bwd_postprocess", "compile_bwd_postprocess",
+                 kind="cutedsl"),
     ),
 }
 

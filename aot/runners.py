@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from dsa_aot.cutedsl_runtime import CuteDslKernel
 from dsa_aot.launch import CubinKernel
 from dsa_aot.specs.models import D_V, KernelSpec
 
@@ -46,10 +47,23 @@ class CubinFwd(FwdKernel):
         return out, lse
 
 
-class CubinBwd(BwdKernel):
-    def __init__(self, pre: CubinKernel, main: CubinKernel, post: CubinKernel, spec: KernelSpec) -> None:
+#: A loaded backward stage: a cubin (pointer/scalar arguments by name) or an exported CuTe
+#: DSL kernel (tensors by name, stream as keyword).
+BwdStage = CubinKernel | CuteDslKernel
+
+
+class StagedBwd(BwdKernel):
+    """Backward as three stages on the caller's stream: preprocess, main, postprocess.
+
+    The runtime allocates every intermediate and zeroes the accumulators the kernels add into
+    (``d_sink``, ``dkv_acc``); each stage reads its arguments by the contract's names, so a
+    cubin and a CuTe DSL stage mix freely.
+    """
+
+    def __init__(self, pre: BwdStage, main: BwdStage, post: BwdStage, spec: KernelSpec) -> None:
         self.pre, self.main, self.post = pre, main, post
         self.spec = spec
+        self._stages = [(k, None if isinstance(k, CubinKernel) else k.tensor_names) for k in (pre, main, post)]
 
     def __call__(self, q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, softmax_scale):
         s_q, heads, d_qk = q.shape
@@ -61,18 +75,25 @@ class CubinBwd(BwdKernel):
         dq = torch.empty_like(q)
         dkv_acc = torch.zeros((s_kv, d_qk), dtype=torch.float32, device=dev)
         dkv = torch.empty((s_kv, d_qk), dtype=torch.bfloat16, device=dev)
-        args = {"q": q.data_ptr(), "kv": kv.data_ptr(), "out": out.data_ptr(), "dout": dout.data_ptr(),
-                "lse": lse.data_ptr(), "topk_idxs": topk_idxs.data_ptr(), "topk_length": _ptr(topk_length),
-                "attn_sink": attn_sink.data_ptr(), "delta": delta.data_ptr(), "lse_sink": lse_sink.data_ptr(),
-                "d_sink": d_sink.data_ptr(), "dq": dq.data_ptr(), "dkv_acc": dkv_acc.data_ptr(),
-                "dkv": dkv.data_ptr(), "softmax_scale": softmax_scale,
-                "s_q": s_q, "s_kv": s_kv, "topk": topk_idxs.shape[1]}
+        tensors = {"q": q, "kv": kv, "out": out, "dout": dout, "lse": lse, "topk_idxs": topk_idxs,
+                   "topk_length": topk_length, "attn_sink": attn_sink, "delta": delta,
+                   "lse_sink": lse_sink, "d_sink": d_sink, "dq": dq, "dkv_acc": dkv_acc, "dkv": dkv}
+        args: dict[str, int | float] = {name: _ptr(t) for name, t in tensors.items()}
+        args.update(softmax_scale=softmax_scale, s_q=s_q, s_kv=s_kv, topk=topk_idxs.shape[1])
         stream = torch.cuda.current_stream(dev).cuda_stream
-        self.pre.launch(stream, args)
-        self.main.launch(stream, args)
-        self.post.launch(stream, args)
+        for kernel, names in self._stages:
+            if names is None:
+                kernel.launch(stream, args)
+            else:
+                kernel(*[tensors[n] for n in names], stream=stream)
         return dq, dkv, d_sink
 
+
+class CubinBwd(StagedBwd):
+    """Backward from three cubins (the TileLang backend)."""
+
+    def __init__(self, pre: CubinKernel, main: CubinKernel, post: CubinKernel, spec: KernelSpec) -> None:
+        super().__init__(pre, main, post, spec)
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:

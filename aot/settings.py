@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 ARCHS = ("sm_90a", "sm_100a")
+#: Backends that compile kernels (``specs.models.Backend``); the reference is always last.
+BACKEND_NAMES = ("tilelang", "cutedsl")
 
 
 class SettingsError(ValueError):
@@ -69,6 +71,17 @@ def _archs(name: str) -> tuple[str, ...] | None:
     return archs
 
 
+def _backends(name: str) -> tuple[str, ...] | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    names = tuple(dict.fromkeys(b for b in raw.replace(",", " ").split() if b))
+    for backend in names:
+        if backend not in BACKEND_NAMES:
+            raise SettingsError(f"{name}={raw!r}: unknown backend {backend!r}; use {', '.join(BACKEND_NAMES)}")
+    return names
+
+
 def _default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "dsa-aot"
@@ -93,6 +106,9 @@ class Settings:
     cache_max_bytes: int = 20 << 30
     #: Allow loading from a cache root other users can write to. ``DSA_AOT_ALLOW_SHARED_CACHE``.
     allow_shared_cache: bool = False
+    #: Backend preference for every op, replacing the catalog's ranking (backends lacking an
+    #: op are skipped for it). ``DSA_AOT_BACKENDS`` (e.g. ``cutedsl,tilelang``); None = catalog.
+    backends: tuple[str, ...] | None = None
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -107,6 +123,7 @@ class Settings:
             lock_timeout_s=_float("DSA_AOT_LOCK_TIMEOUT", 900.0),
             cache_max_bytes=_size("DSA_AOT_CACHE_MAX_BYTES", 20 << 30),
             allow_shared_cache=_bool("DSA_AOT_ALLOW_SHARED_CACHE", False),
+            backends=_backends("DSA_AOT_BACKENDS"),
         )
 
 
