@@ -177,14 +177,15 @@ def test_empty_row_with_finite_sink_has_zero_sink_probability():
 
 @pytest.mark.parametrize("compute_dtype", [torch.float64, torch.float32])
 def test_very_negative_lse_with_padded_columns(compute_dtype):
-    # Scores ~ -100, so lse < -80: a zero-filled masked score would give exp(0 - lse) = inf.
+    # Scores ~ -100, so lse < -88: a zero-filled masked score would give exp(0 - lse) = inf in
+    # fp32 (e^88 > FLT_MAX), and inf * 0 = NaN downstream.
     s_q, heads, d, s_kv, k = 3, 2, 8, 6, 10
     kv = torch.ones(s_kv, d, dtype=torch.float64) + 0.01 * torch.arange(s_kv * d, dtype=torch.float64).view(s_kv, d)
     q = torch.full((s_q, heads, d), -100.0 / (d * d ** -0.5), dtype=torch.float64)
     idx = torch.full((s_q, k), -1, dtype=torch.int32)
     idx[:, :3] = torch.tensor([0, 2, 4], dtype=torch.int32)
     out, lse = sparse_mla_fwd_ref(q, kv, idx, d_v=8, compute_dtype=compute_dtype)
-    assert (lse < -80).all() and torch.isfinite(out).all()
+    assert (lse < -88).all() and torch.isfinite(out).all()
     dout = torch.randn(out.shape, dtype=compute_dtype)
     dq, dkv, _ = sparse_mla_bwd_ref(q, kv, out, dout, lse, idx, d_v=8, compute_dtype=compute_dtype)
     assert torch.isfinite(dq).all() and torch.isfinite(dkv).all()
