@@ -32,5 +32,8 @@ test-gpu: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/bench_sparse_mla.py --out bench/results/h200.json
 
+compat: $(STAMP)
+	$(BIN)/dsa-aot compat --jobs $(JOBS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -170,6 +170,20 @@ def cmd_doctor(args) -> int:
     return 0
 
 
+def cmd_compat(args) -> int:
+    from dsa_aot import compat
+
+    if args.merge:
+        report = compat.merge_reports(args.merge)
+    else:
+        report = compat.run_compat(args.matrix, envs_dir=args.envs_dir, slice_name=args.slice,
+                                   toolchains=args.toolchain, shard=args.shard, only=args.only, jobs=args.jobs)
+    paths = compat.write_report(report, args.out)
+    print(compat.format_summary(report))
+    print("wrote " + " and ".join(str(p) for p in paths))
+    return 1 if report.problems else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsa-aot", description="Ahead-of-time sparse MLA kernel cache")
     sub = p.add_subparsers(dest="command", required=True)
@@ -218,6 +232,17 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp)
     sp.add_argument("--probes", action="store_true", help="also run/read the feature probes")
     sp.set_defaults(func=cmd_doctor)
+    sp = sub.add_parser("compat", help="per toolchain of a matrix: own venv, probes, prebuild; report")
+    sp.add_argument("--matrix", type=Path, default=None, help="matrix TOML (default: packaged compat_matrix.toml)")
+    sp.add_argument("--slice", default=None, help="run a [slices.NAME] of the matrix, e.g. ci")
+    sp.add_argument("--toolchain", action="append", metavar="GLOB", help="toolchain name glob (repeatable)")
+    sp.add_argument("--shard", type=_shard, default=None, help="run toolchain shard i of n (1-based), e.g. 1/3")
+    sp.add_argument("--only", action="append", metavar="GLOB", help="spec id glob (repeatable; default: the matrix's)")
+    sp.add_argument("--envs-dir", type=Path, default=Path(".compat-envs"), help="cached virtualenvs (reused)")
+    sp.add_argument("--out", type=Path, default=Path("docs/compat"), help="writes OUT.json and OUT.md")
+    sp.add_argument("--jobs", "-j", type=int, default=None, help="prebuild jobs (default: the matrix's)")
+    sp.add_argument("--merge", nargs="+", type=Path, metavar="JSON", help="merge shard reports, run nothing")
+    sp.set_defaults(func=cmd_compat)
     return p
 
 

@@ -1,0 +1,412 @@
+"""Toolchain-upgrade compatibility, on the CPU, with real compiles and the real store.
+
+* Isolation: an artifact built under toolchain A (this environment) is invisible under a
+  toolchain B that differs in ONE component (kernel sources, nvcc, tilelang / tvm-ffi /
+  cutlass-dsl), visible again under A, and reclaimed by ``dsa-aot gc`` under B. Each switch
+  runs real processes (``dsa-aot status`` / ``gc`` / the loader's own store lookup).
+* Feature gating: a toolkit whose nvcc rejects sm_100a makes ``dsa-aot prebuild`` report the
+  sm_100a variant "skipped-by-feature" (not "failed") and the loader fall back for it.
+* ``dsa-aot compat`` (marker ``compat``): the matrix's CI slice, two toolchains in their own
+  virtualenvs built from the registry, tiny spec subset; the report must be complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from dsa_aot import compat
+from dsa_aot.cache.store import ArtifactStore
+from dsa_aot.specs.toolchain import _TILELANG_PATH_VARS, Distribution, Toolchain, resolve_nvcc
+
+REPO = Path(__file__).resolve().parents[1]
+ENVS_DIR = REPO / ".compat-envs"  # the CLI's default: envs built by `make compat` are reused
+SPEC, ARCH = "fwd-sm_90a-d512-h16-compact-tilelang", "sm_90a"
+SPEC_100 = "fwd-sm_100a-d512-h16-compact-tilelang"
+NVCC = resolve_nvcc()
+needs_nvcc = pytest.mark.skipif(NVCC is None or not NVCC.exists(), reason="no nvcc on this machine")
+
+
+def base_env(root: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("DSA_AOT_") and k not in ("PYTHONPATH", "CUTE_DSL_ARCH")}
+    env.update(DSA_AOT_CACHE_DIR=str(root), TILELANG_PRINT_ON_COMPILATION="0", **extra)
+    return env
+
+
+def run(argv: list[str], env: dict[str, str], python: str = sys.executable, check: bool = True,
+        timeout: float = 1800) -> subprocess.CompletedProcess:
+    proc = subprocess.run([python, *argv], env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{argv} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+#: What the loader of a process sees: its fingerprint and the roots whose lookup finds SPEC.
+_LOADER_VIEW = textwrap.dedent("""
+    import json, sys
+    import dsa_aot
+    from dsa_aot.loader import get_loader
+    spec_id, arch = sys.argv[1], sys.argv[2]
+    loader = get_loader()
+    fp = loader.fingerprint()
+    hits = [str(s.root) for s in loader.stores() if s.lookup(fp, arch, spec_id) is not None]
+    print(json.dumps({"fingerprint": fp, "complete": loader.toolchain().complete, "hits": hits,
+                      "package": dsa_aot.__file__}))
+""")
+
+
+class Side:
+    """One toolchain as processes see it: an interpreter and its environment variables."""
+
+    def __init__(self, name: str, env: dict[str, str], python: str = sys.executable):
+        self.name, self.env, self.python = name, env, python
+
+    def view(self, spec_id: str = SPEC, arch: str = ARCH) -> dict:
+        out = run(["-c", _LOADER_VIEW, spec_id, arch], self.env, self.python).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return run(["-m", "dsa_aot.cli", *args], self.env, self.python, check=check)
+
+    def status(self) -> str:
+        return json.loads(self.cli("status", "--json", "--only", SPEC).stdout)[SPEC]
+
+
+@pytest.fixture(scope="module")
+def artifact_a(tmp_path_factory) -> Path:
+    """A real artifact of SPEC built by ``dsa-aot prebuild`` under this environment (A)."""
+    root = tmp_path_factory.mktemp("built-a") / "cache"
+    proc = run(["-m", "dsa_aot.cli", "prebuild", "-q", "--only", SPEC], base_env(root))
+    assert f"built{'':<15}{1:>5}" in proc.stdout, proc.stdout
+    return root
+
+
+@pytest.fixture
+def root_a(artifact_a, tmp_path) -> Path:
+    """A private copy of A's cache root (gc under B destroys it)."""
+    root = tmp_path / "cache"
+    shutil.copytree(artifact_a, root)
+    return root
+
+
+def _edited_package(dest: Path) -> Path:
+    """This checkout on a PYTHONPATH, with one kernel source edited (a comment appended)."""
+    path = compat.project_pythonpath(dest)
+    pkg = path / "dsa_aot"
+    link = pkg if pkg.is_symlink() else pkg / "kernels"
+    target = link.resolve()
+    link.unlink()
+    shutil.copytree(target, link, ignore=shutil.ignore_patterns("__pycache__"))
+    kernel = pkg / "kernels" / "tilelang_fwd.py"
+    kernel.write_text(kernel.read_text() + "\n# edited: toolchain B's kernel sources\n")
+    return path
+
+
+def _nvcc_wrapper(path: Path, release: str, reject: str | None = None) -> Path:
+    """A script standing in for another nvcc release: reports ``release``, runs the real one."""
+    major_minor = ".".join(release.split(".")[:2])
+    refuse = (f'case "$*" in *{reject}*) echo "nvcc fatal   : Unsupported gpu architecture '
+              f"'compute_{reject[3:]}'\" >&2; exit 1;; esac\n") if reject else ""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n"
+                    'case "$*" in *--version*) echo "nvcc: NVIDIA (R) Cuda compiler driver"; '
+                    f'echo "Cuda compilation tools, release {major_minor}, V{release}"; exit 0;; esac\n'
+                    f'{refuse}exec "{NVCC}" "$@"\n')
+    path.chmod(0o755)
+    return path
+
+
+def _side_b(component: str, root: Path, tmp_path: Path) -> tuple[Side, Toolchain | None]:
+    """Toolchain B differing from A in ``component``; plus the in-process model of B."""
+    if component == "kernel sources":
+        path = _edited_package(tmp_path / "b-package")
+        model = Toolchain.collect(kernels_dir=path / "dsa_aot" / "kernels")
+        return Side("B", base_env(root, PYTHONPATH=str(path))), model
+    if component == "nvcc":
+        wrapper = _nvcc_wrapper(tmp_path / "b-nvcc" / "nvcc", "12.9.41")
+        return Side("B", base_env(root, DSA_AOT_NVCC=str(wrapper))), Toolchain.collect(nvcc=wrapper)
+    if component == "tilelang+tvm-ffi+cutlass-dsl venv":
+        matrix = compat.load_matrix()
+        older = [t for t in matrix.slices["ci"].toolchains if t != _running_row(matrix)]
+        env_dir = next((p for p in (compat.env_path(matrix_row(matrix, n), ENVS_DIR, matrix.torch)
+                                    for n in older) if p is not None), None)
+        if env_dir is None:
+            pytest.skip(f"no older toolchain environment under {ENVS_DIR} (run `make compat` or the compat test)")
+        env = compat.Env(path=env_dir, info=compat.EnvInfo.model_validate_json((env_dir / compat.ENV_MARKER).read_text()))
+        environ = compat.toolchain_environ(env, compat.project_pythonpath(tmp_path / "b-path"), root)
+        return Side("B", environ, str(env.python)), None
+    raise AssertionError(component)
+
+
+def matrix_row(matrix: compat.CompatMatrix, name: str) -> compat.ToolchainRow:
+    return next(t for t in matrix.toolchain if t.name == name)
+
+
+def _running_row(matrix: compat.CompatMatrix) -> str | None:
+    """The matrix row whose pins are what this environment has installed, if any."""
+    import importlib.metadata as md
+
+    for row in matrix.toolchain:
+        try:
+            if all(md.version(n) == v for n, v in row.pinned().items()):
+                return row.name
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+@needs_nvcc
+@pytest.mark.parametrize("component", ["kernel sources", "nvcc", "tilelang+tvm-ffi+cutlass-dsl venv"])
+def test_switching_one_component_isolates_artifacts(component, root_a, tmp_path):
+    a = Side("A", base_env(root_a))
+    b, model = _side_b(component, root_a, tmp_path)
+    view_a = a.view()
+    fp_a = view_a["fingerprint"]
+    assert view_a["complete"] and view_a["hits"] == [str(root_a)], view_a
+    assert (root_a / fp_a / ARCH / SPEC / "meta.json").is_file()
+    assert a.status() == "cached"
+
+    view_b = b.view()  # the loader of a B process: its own key, and no store yields A's entry
+    assert view_b["complete"], view_b
+    assert view_b["fingerprint"] != fp_a
+    assert view_b["hits"] == []
+    assert b.status() == "missing"
+    if model is not None:  # the in-process description of B is the key B's processes use
+        assert model.complete, model.incomplete_reasons
+        assert model.fingerprint == view_b["fingerprint"]
+    if component == "kernel sources":
+        assert view_b["package"].startswith(str(tmp_path)), view_b  # really the edited copy
+
+    assert a.view()["hits"] == [str(root_a)]  # switching back finds A's entry again
+    assert a.status() == "cached"
+
+    out = b.cli("gc").stdout  # B's gc reclaims A's tree: it is another toolchain
+    assert "removed 1 other toolchains" in out, out
+    assert not (root_a / fp_a).exists()
+    assert a.status() == "missing"
+
+
+@needs_nvcc
+@pytest.mark.parametrize("package", ["tilelang", "tvm_ffi", "cutlass_dsl"])
+def test_other_compiler_release_misses_and_is_collected(package, root_a):
+    """B = A with one compiler distribution of another release (a Toolchain copy)."""
+    a = Toolchain.current()
+    store = ArtifactStore(root_a)
+    assert store.lookup(a.fingerprint, ARCH, SPEC) is not None
+    if package == "cutlass_dsl":
+        other = tuple(d.model_copy(update={"version": "4.5.3"}) for d in a.cutlass_dsl) or (
+            Distribution(name="nvidia-cutlass-dsl", version="4.5.3"),)
+    else:
+        old = getattr(a, package)
+        assert old is not None, f"{package} is not installed here"
+        other = old.model_copy(update={"version": "0.0.1", "content_sha256": "0" * 64})
+    b = a.model_copy(update={package: other})
+    assert b.fingerprint != a.fingerprint
+    assert store.lookup(b.fingerprint, ARCH, SPEC) is None
+    assert store.lookup(a.fingerprint, ARCH, SPEC) is not None  # back to A: a hit
+    report = store.gc(b.fingerprint)  # what `dsa-aot gc` runs under B
+    assert report.removed_fingerprints == [a.fingerprint]
+    assert store.lookup(a.fingerprint, ARCH, SPEC) is None
+
+
+# --- a missing feature: skipped, not failed, and the loader falls back ---------------------------
+
+@pytest.fixture(scope="module")
+def toolkit_without_sm100(tmp_path_factory) -> Path:
+    """A CUDA toolkit root whose nvcc (an older release, 12.6) refuses sm_100a."""
+    if NVCC is None or not NVCC.exists():
+        pytest.skip("no nvcc on this machine")
+    home = tmp_path_factory.mktemp("cuda-12.6")
+    real = NVCC.resolve().parent.parent
+    for child in real.iterdir():
+        if child.name != "bin":
+            (home / child.name).symlink_to(child)
+    (home / "bin").mkdir()
+    for tool in (real / "bin").iterdir():
+        if tool.name != "nvcc":
+            (home / "bin" / tool.name).symlink_to(tool)
+    _nvcc_wrapper(home / "bin" / "nvcc", "12.6.85", reject="sm_100a")
+    return home
+
+
+@pytest.fixture(scope="module")
+def prebuilt_without_sm100(toolkit_without_sm100, tmp_path_factory):
+    root = tmp_path_factory.mktemp("no-sm100") / "cache"
+    env = base_env(root, CUDA_HOME=str(toolkit_without_sm100))
+    for var in (*_TILELANG_PATH_VARS, "CUDA_PATH"):
+        env.pop(var, None)
+    proc = run(["-m", "dsa_aot.cli", "prebuild", "-q", "--only", SPEC, "--only", SPEC_100], env, check=False)
+    return root, env, proc
+
+
+def test_missing_nvcc_arch_is_skipped_by_feature_not_failed(prebuilt_without_sm100):
+    root, env, proc = prebuilt_without_sm100
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    fp, problems = compat.parse_prebuild_output(proc.stdout)
+    assert fp is not None and fp != Toolchain.current().fingerprint
+    assert set(problems) == {SPEC_100}, proc.stdout
+    status, message = problems[SPEC_100]
+    assert status == "skipped-by-feature" and "sm_100a" in message, proc.stdout
+    features = json.loads((root / fp / "features.json").read_text())
+    assert features["nvcc_archs"] == {"sm_90a": True, "sm_100a": False}
+    assert features["nvcc_version"] == "12.6.85"
+    assert "built                   1" in proc.stdout and "failed                  0" in proc.stdout
+    assert ArtifactStore(root).lookup(fp, "sm_90a", SPEC) is not None
+
+
+def test_loader_falls_back_for_the_skipped_variant(prebuilt_without_sm100):
+    root, env, _ = prebuilt_without_sm100
+    code = textwrap.dedent("""
+        import json, warnings
+        from dsa_aot.loader import get_loader
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            kernel, res = get_loader().resolve("fwd", "sm_100a", 512, 16, "compact", 0)
+        print(json.dumps({"source": res.source, "reasons": list(res.reasons), "kernel": type(kernel).__name__,
+                          "warned": [str(w.message) for w in caught]}))
+    """)
+    out = json.loads(run(["-c", code], env).stdout.strip().splitlines()[-1])
+    assert out["source"] == "reference", out
+    assert any("nvcc does not accept sm_100a" in r for r in out["reasons"]), out
+    assert out["warned"] and "torch reference" in out["warned"][0]
+
+
+# --- the matrix file and the report --------------------------------------------------------------
+
+def test_matrix_rows_pin_the_whole_compiler_set():
+    matrix = compat.load_matrix()
+    names = {t.name for t in matrix.toolchain}
+    versions = {(r.pinned()["tilelang"], r.pinned()["nvidia-cutlass-dsl"]) for r in matrix.toolchain}
+    assert {v for v, _ in versions} >= {"0.1.11", "0.1.13", "0.1.15"}
+    assert {c[:3] for _, c in versions} >= {"4.5", "4.6"} and "4.8.1" in {c for _, c in versions}
+    for row in matrix.toolchain:
+        pinned = row.pinned()
+        assert {"tilelang", "apache-tvm-ffi", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base",
+                "z3-solver"} <= set(pinned), row.name
+        cute = pinned["nvidia-cutlass-dsl"]
+        assert all(v == cute for n, v in pinned.items() if n.startswith("nvidia-cutlass-dsl")), row.name
+        if cute >= "4.6":  # 4.6+ splits the libraries further
+            assert {"nvidia-cutlass-dsl-libs-core", "nvidia-cutlass-dsl-libs-cu12"} <= set(pinned), row.name
+        if pinned["tilelang"] == "0.1.11":
+            assert pinned["apache-tvm-ffi"] == "0.1.10"  # any newer one aborts `import tilelang`
+    assert sum(t.required for t in matrix.toolchain) == 1
+    ci = matrix.slices["ci"]
+    assert len(ci.toolchains) == 2 and set(ci.toolchains) <= names
+    assert _running_row(matrix) in ci.toolchains, "CI's slice must include the shipped pins"
+    ids = compat.plan_specs(matrix.archs, ci.only)
+    assert sorted(ids) == sorted(ci.only), "every CI spec must exist in the catalog"
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"pins": ["tilelang>=0.1.11"]}, "name==version"),
+    ({"pins": ["tilelang==0.1.11", "TileLang==0.1.13"]}, "pinned twice"),
+    ({"pins": ["z3-solver==4.15.4.0"]}, "pins tilelang"),
+    ({"pins": ["tilelang==0.1.15"], "expect": {"isfinite": True}}, "unknown probe"),
+])
+def test_matrix_rejects_loose_rows(bad, match):
+    with pytest.raises(ValueError, match=match):
+        compat.ToolchainRow.model_validate({"name": "x", **bad})
+
+
+def test_env_key_changes_with_any_pin_and_shards_partition():
+    matrix = compat.load_matrix()
+    row = matrix.toolchain[0]
+    runtime = compat.runtime_requirements()
+    key = compat.env_key(row, matrix.torch, runtime)
+    assert key == compat.env_key(row.model_copy(update={"note": "renamed"}), matrix.torch, runtime)
+    keys = {key, compat.env_key(row, "torch==2.12.0", runtime),
+            compat.env_key(row, matrix.torch, (*runtime, "tqdm>=4"))}
+    for i, pin in enumerate(row.pins):
+        pins = list(row.pins)
+        pins[i] = pin + ".post1"
+        keys.add(compat.env_key(row.model_copy(update={"pins": tuple(pins)}), matrix.torch, runtime))
+    assert len(keys) == 3 + len(row.pins)
+    shards = [compat.select_toolchains(matrix, shard=(i, 3)) for i in (1, 2, 3)]
+    flat = [r.name for s in shards for r in s]
+    assert sorted(flat) == sorted(t.name for t in matrix.toolchain) and len(set(flat)) == len(flat)
+
+
+def test_expectations_flag_a_changed_probe():
+    expect = {"cute_math_isfinite": False, "tilelang_bool_fragment_ok": {"sm_90a": True, "sm_100a": False}}
+    measured = {"cute_math_isfinite": False, "tilelang_bool_fragment_ok": {"sm_90a": True, "sm_100a": False}}
+    assert compat.check_expectations(expect, measured, ["sm_90a", "sm_100a"]) == []
+    fixed = dict(measured, tilelang_bool_fragment_ok={"sm_90a": True, "sm_100a": True})
+    assert compat.check_expectations(expect, fixed, ["sm_90a", "sm_100a"]) == [
+        "tilelang_bool_fragment_ok[sm_100a]: expected False, measured True"]
+    assert compat.check_expectations(expect, fixed, ["sm_90a"]) == []  # arch not in this run
+    assert compat.check_expectations(expect, None, ["sm_90a"]) == ["probes did not run"]
+
+
+def test_report_names_what_the_loader_serves_instead():
+    ids = ["bwd-sm_90a-d512-h64-compact-tilelang", "bwd-sm_90a-d512-h64-compact-cutedsl",
+           "fwd-sm_90a-d512-h64-compact-tilelang"]
+    specs = compat.plan_specs(["sm_90a"], ids)
+    assert sorted(specs) == sorted(ids)
+    from dsa_aot.specs.catalog import load_catalog
+
+    ranking = load_catalog().ranking["bwd"]
+    built, failed = compat.Cell(status="built"), compat.Cell(status="failed", detail="x")
+    skipped = compat.Cell(status="skipped-by-feature", detail="nvcc")
+    table = {"one-left": {ids[0]: failed, ids[1]: built, ids[2]: skipped},
+             "none-left": {ids[0]: failed, ids[1]: failed, ids[2]: built}}
+    report = compat.CompatReport(generated="now", matrix={}, machine={}, toolchains=[],
+                                 specs=[compat.SpecRow(id=i, results={t: c[i] for t, c in table.items()}) for i in ids])
+    compat._mark_fallbacks(report, specs)
+    uses = {(r.id, t): c.loader_uses for r in report.specs for t, c in r.results.items()}
+    if ranking[:2] == ["tilelang", "cutedsl"]:
+        assert uses[(ids[0], "one-left")] == "cutedsl"
+    assert uses[(ids[1], "one-left")] is None and uses[(ids[2], "none-left")] is None  # built
+    assert uses[(ids[2], "one-left")] == "reference"  # fwd has no second backend
+    assert uses[(ids[0], "none-left")] == uses[(ids[1], "none-left")] == "reference"
+
+
+# --- the CI slice: two toolchains, each in its own registry-built environment -------------------
+
+@pytest.mark.compat
+@needs_nvcc
+def test_compat_ci_slice_two_toolchains(tmp_path):
+    matrix = compat.load_matrix()
+    ci = matrix.slices["ci"]
+    out = tmp_path / "compat"
+    start = time.perf_counter()
+    proc = run(["-m", "dsa_aot.cli", "compat", "--slice", "ci", "--envs-dir", str(ENVS_DIR), "--out", str(out)],
+               base_env(tmp_path / "unused-cache"), check=False, timeout=3600)
+    wall = time.perf_counter() - start
+    print(f"dsa-aot compat --slice ci: {wall:.0f} s\n{proc.stdout}\n{proc.stderr[-3000:]}")
+    report = compat.CompatReport.model_validate_json(out.with_name("compat.json").read_text())
+    assert proc.returncode == 0, report.problems or proc.stderr[-3000:]
+    names = [t.name for t in report.toolchains]
+    assert names == [t for t in (r.name for r in matrix.toolchain) if t in ci.toolchains]
+    assert sorted(r.id for r in report.specs) == sorted(ci.only)
+    assert report.machine["cpus"] and report.generated and report.matrix["slice"] == "ci"
+
+    by_name = {t.name: t for t in report.toolchains}
+    shipped = by_name[_running_row(matrix)]
+    assert shipped.fingerprint == Toolchain.current().fingerprint  # same key as this venv's
+    assert all(report.cell(s, shipped.name).status == "built" for s in ci.only)
+    assert len({t.fingerprint for t in report.toolchains}) == 2
+    for t in report.toolchains:
+        assert t.probes is not None and t.expect_mismatches == [], (t.name, t.expect_mismatches)
+        row = matrix_row(matrix, t.name)
+        assert t.installed["tilelang"] == row.pinned()["tilelang"]
+        assert t.probes["cute_math_isfinite"] is row.expect["cute_math_isfinite"]
+        assert t.probes["nvcc_archs"] == {"sm_90a": True, "sm_100a": True}
+        if row.expect.get("tilelang_bool_fragment_ok", {}).get("sm_100a") is False:
+            assert "boolx8" in t.probe_errors["tilelang_bool_fragment_ok[sm_100a]"]
+        for spec_id in ci.only:
+            cell = report.cell(spec_id, t.name)
+            assert cell is not None and cell.status in ("built", "skipped-by-feature", "failed")
+            assert (cell.status == "built") == (cell.detail == ""), (spec_id, t.name, cell)
+            assert (cell.status == "built") == (cell.loader_uses is None), (spec_id, t.name, cell)
+    text = out.with_name("compat.md").read_text()
+    assert "| spec | " + " | ".join(names) + " |" in text
+    assert all(f"| `{s}` |" in text for s in ci.only)
