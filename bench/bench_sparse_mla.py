@@ -85,7 +85,7 @@ def main() -> int:
               f"ours/peer speed {rec['ratio']}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(records, indent=1) + "\n")
-    cmd = "python bench/bench_sparse_mla.py --out " + str(args.out)
+    cmd = "python bench/bench_sparse_mla.py --out bench/results/h200.json"
     lines = [f"# Sparse MLA on {env['gpu']}", "",
              f"Command: `{cmd}`  ", f"Date: {env['date']}  ",
              "Toolchain: " + ", ".join(f"{k} {v}" for k, v in env.items() if k not in ("gpu", "date")), "",
