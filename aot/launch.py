@@ -59,6 +59,26 @@ def _check_expr(expr: str) -> ast.Expression:
     return tree
 
 
+class _ArgsLookup(ast.NodeTransformer):
+    """Rewrite each size name ``n`` of a grid expression into ``a["n"]``."""
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        if node.id in _ALLOWED_CALLS:
+            return node
+        return ast.copy_location(ast.Subscript(value=ast.Name("a", ast.Load()), slice=ast.Constant(node.id),
+                                               ctx=ast.Load()), node)
+
+
+def _grid_function(grid: tuple[str, str, str]):
+    """One compiled ``f(args) -> (gx, gy, gz)`` from the record's AST-checked expressions."""
+    dims = [_ArgsLookup().visit(_check_expr(g)).body for g in grid]
+    lam = ast.Expression(ast.Lambda(
+        args=ast.arguments(posonlyargs=[], args=[ast.arg("a")], kwonlyargs=[], kw_defaults=[], defaults=[]),
+        body=ast.Tuple([ast.Call(ast.Name("int", ast.Load()), [d], []) for d in dims], ast.Load())))
+    ast.fix_missing_locations(lam)
+    return eval(compile(lam, "<grid>", "eval"), {"__builtins__": {}, "int": int, **_ALLOWED_CALLS})  # noqa: S307
+
+
 class CudaError(RuntimeError):
     """A CUDA driver call failed; the message names the call and the driver's error."""
 
@@ -121,13 +141,13 @@ class CubinKernel:
         self._holders = [_CTYPE[p.kind]() for p in record.params]
         self._argv = (ctypes.c_void_p * len(self._holders))(
             *[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in self._holders])
-        self._names = [p.name for p in record.params]
-        self._grid = [compile(_check_expr(g), "<grid>", "eval") for g in record.grid]
+        self._bind = tuple(zip(self._holders, [p.name for p in record.params]))
+        self._grid = _grid_function(record.grid)
         self._lock = threading.Lock()
 
     def grid(self, args: dict[str, object]) -> tuple[int, int, int]:
-        env = {"__builtins__": {}, **_ALLOWED_CALLS, **args}
-        return tuple(int(eval(code, env)) for code in self._grid)  # noqa: S307 - AST-checked arithmetic
+        """Grid dims for run-time sizes ``args`` (e.g. ``{"s_q": 4096, ...}``)."""
+        return self._grid(args)
 
     def launch(self, stream: int, args: dict[str, object]) -> None:
         """Launch with ``args`` mapping every parameter name to an int (pointer or size) or float."""
@@ -136,7 +156,7 @@ class CubinKernel:
             return  # an empty problem: nothing to launch
         bx, by, bz = self.record.block
         with self._lock:
-            for holder, name in zip(self._holders, self._names):
+            for holder, name in self._bind:
                 holder.value = args[name]
             status = self._lib.cuLaunchKernel(self._kernel, gx, gy, gz, bx, by, bz,
                                               self.record.dynamic_smem, stream, self._argv, None)

@@ -50,9 +50,8 @@ def _kernel(op: str, device: torch.device, d_qk: int, heads: int, layout: str):
     return kernel
 
 
-def _sink(attn_sink: torch.Tensor | None, heads: int, device: torch.device) -> torch.Tensor:
-    if attn_sink is not None:
-        return attn_sink
+def _sink(heads: int, device: torch.device) -> torch.Tensor:
+    """A cached all -inf sink (no sink) for ``heads`` on ``device``."""
     key = (device, heads)
     sink = _SINKS.get(key)
     if sink is None:
@@ -72,8 +71,10 @@ def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, *
     +inf for rows with no valid slot).
     """
     layout, scale = check_fwd(q, kv, topk_idxs, topk_length, attn_sink, softmax_scale)
-    kernel = _kernel("fwd", q.device, q.shape[2], q.shape[1], layout)
-    return kernel(q, kv, topk_idxs, topk_length, _sink(attn_sink, q.shape[1], q.device), scale)
+    dev = q.device
+    _, heads, d_qk = q.shape
+    kernel = _kernel("fwd", dev, d_qk, heads, layout)
+    return kernel(q, kv, topk_idxs, topk_length, attn_sink if attn_sink is not None else _sink(heads, dev), scale)
 
 
 def sparse_mla_bwd(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
@@ -86,9 +87,11 @@ def sparse_mla_bwd(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: t
     ``attn_sink`` is None).
     """
     layout, scale = check_bwd(q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, softmax_scale)
-    kernel = _kernel("bwd", q.device, q.shape[2], q.shape[1], layout)
+    dev = q.device
+    _, heads, d_qk = q.shape
+    kernel = _kernel("bwd", dev, d_qk, heads, layout)
     dq, dkv, d_sink = kernel(q, kv, out, dout, lse, topk_idxs, topk_length,
-                             _sink(attn_sink, q.shape[1], q.device), scale)
+                             attn_sink if attn_sink is not None else _sink(heads, dev), scale)
     return dq, dkv, (d_sink if attn_sink is not None else None)
 
 

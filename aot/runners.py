@@ -30,6 +30,18 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+try:  # the raw cudaStream_t of the current stream, without building a Stream object
+    _raw_stream = torch._C._cuda_getCurrentRawStream
+except AttributeError:  # pragma: no cover - older torch
+    def _raw_stream(index: int) -> int:
+        return torch.cuda.current_stream(index).cuda_stream
+
+
+def current_stream(device: torch.device) -> int:
+    """The caller's current CUDA stream on ``device``, as an int handle."""
+    return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
 class CubinFwd(FwdKernel):
     def __init__(self, kernel: CubinKernel, spec: KernelSpec) -> None:
         self.kernel = kernel
@@ -37,9 +49,10 @@ class CubinFwd(FwdKernel):
 
     def __call__(self, q, kv, topk_idxs, topk_length, attn_sink, softmax_scale):
         s_q, heads, _ = q.shape
-        out = torch.empty((s_q, heads, D_V), dtype=torch.bfloat16, device=q.device)
-        lse = torch.empty((s_q, heads), dtype=torch.float32, device=q.device)
-        self.kernel.launch(torch.cuda.current_stream(q.device).cuda_stream, {
+        dev = q.device
+        out = torch.empty((s_q, heads, D_V), dtype=torch.bfloat16, device=dev)
+        lse = torch.empty((s_q, heads), dtype=torch.float32, device=dev)
+        self.kernel.launch(current_stream(dev), {
             "q": q.data_ptr(), "kv": kv.data_ptr(), "topk_idxs": topk_idxs.data_ptr(),
             "topk_length": _ptr(topk_length), "attn_sink": attn_sink.data_ptr(),
             "out": out.data_ptr(), "lse": lse.data_ptr(), "softmax_scale": softmax_scale,
@@ -80,7 +93,7 @@ class StagedBwd(BwdKernel):
                    "lse_sink": lse_sink, "d_sink": d_sink, "dq": dq, "dkv_acc": dkv_acc, "dkv": dkv}
         args: dict[str, int | float] = {name: _ptr(t) for name, t in tensors.items()}
         args.update(softmax_scale=softmax_scale, s_q=s_q, s_kv=s_kv, topk=topk_idxs.shape[1])
-        stream = torch.cuda.current_stream(dev).cuda_stream
+        stream = current_stream(dev)
         for kernel, names in self._stages:
             if names is None:
                 kernel.launch(stream, args)

@@ -9,19 +9,25 @@ import torch
 from dsa_aot.specs.models import D_V, SUPPORTED_D_QK, SUPPORTED_HEADS
 
 
+_INT32_LIMIT = 2**31
+_D_QK = frozenset(SUPPORTED_D_QK)
+_HEADS = frozenset(SUPPORTED_HEADS)
+
+
 class InputError(ValueError):
     """An argument of a dsa_aot call is unusable; the message says which and how to fix it."""
 
 
-def _tensor(name: str, t: object, ndim: int, dtype: torch.dtype, device: torch.device | None) -> torch.Tensor:
+def _tensor(name: str, t: object, ndim: int, dtype: torch.dtype, q: torch.Tensor | None) -> torch.Tensor:
+    """Check one tensor argument; ``q`` (if given) fixes the device. Cheap when it passes."""
     if not isinstance(t, torch.Tensor):
         raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
         raise InputError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
     if t.dtype != dtype:
         raise InputError(f"{name} must be {dtype}, got {t.dtype}; convert with .to({dtype})")
-    if device is not None and t.device != device:
-        raise InputError(f"{name} is on {t.device} but q is on {device}; move it with .to(q.device)")
+    if q is not None and t.get_device() != q.get_device():
+        raise InputError(f"{name} is on {t.device} but q is on {q.device}; move it with .to(q.device)")
     if not t.is_contiguous():
         raise InputError(f"{name} must be contiguous (strides {t.stride()}); call .contiguous()")
     return t
@@ -30,11 +36,11 @@ def _tensor(name: str, t: object, ndim: int, dtype: torch.dtype, device: torch.d
 def check_fwd(q, kv, topk_idxs, topk_length, attn_sink, softmax_scale) -> tuple[str, float]:
     """Validate forward inputs; returns (layout, softmax_scale)."""
     _tensor("q", q, 3, torch.bfloat16, None)
-    dev = q.device
+    dev = q
     s_q, heads, d_qk = q.shape
-    if d_qk not in SUPPORTED_D_QK:
+    if d_qk not in _D_QK:
         raise InputError(f"q.shape[2] (D_qk) = {d_qk} is not supported; use one of {SUPPORTED_D_QK}")
-    if heads not in SUPPORTED_HEADS:
+    if heads not in _HEADS:
         raise InputError(f"q.shape[1] (heads) = {heads} is not supported; use one of {SUPPORTED_HEADS} "
                          "(pad the heads, or split them into supported groups)")
     _tensor("kv", kv, 2, torch.bfloat16, dev)
@@ -45,7 +51,7 @@ def check_fwd(q, kv, topk_idxs, topk_length, attn_sink, softmax_scale) -> tuple[
     _tensor("topk_idxs", topk_idxs, 2, torch.int32, dev)
     if topk_idxs.shape[0] != s_q:
         raise InputError(f"topk_idxs.shape[0] = {topk_idxs.shape[0]} must equal S_q = q.shape[0] = {s_q}")
-    if max(s_q, kv.shape[0], topk_idxs.shape[1]) >= 2**31:
+    if s_q >= _INT32_LIMIT or kv.shape[0] >= _INT32_LIMIT or topk_idxs.shape[1] >= _INT32_LIMIT:
         raise InputError("S_q, S_kv and top-k must each be < 2**31")
     layout = "noncompact"
     if topk_length is not None:
@@ -74,10 +80,10 @@ def check_bwd(q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, softmax_
     layout, scale = check_fwd(q, kv, topk_idxs, topk_length, attn_sink, softmax_scale)
     s_q, heads, _ = q.shape
     for name, t in (("out", out), ("dout", dout)):
-        _tensor(name, t, 3, torch.bfloat16, q.device)
+        _tensor(name, t, 3, torch.bfloat16, q)
         if tuple(t.shape) != (s_q, heads, D_V):
             raise InputError(f"{name}.shape = {tuple(t.shape)} must be (S_q, H, D_v) = {(s_q, heads, D_V)}")
-    _tensor("lse", lse, 2, torch.float32, q.device)
+    _tensor("lse", lse, 2, torch.float32, q)
     if tuple(lse.shape) != (s_q, heads):
         raise InputError(f"lse.shape = {tuple(lse.shape)} must be (S_q, H) = {(s_q, heads)}; "
                          "pass the lse returned by sparse_mla_fwd")
