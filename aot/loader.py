@@ -24,7 +24,9 @@ from typing import Any
 from dsa_aot import settings as _settings
 from dsa_aot.artifact import ArtifactManifest
 from dsa_aot.backends import BACKENDS, BuildError, ReferenceBackend
-from dsa_aot.cache.store import ArtifactStore, CacheError, CorruptArtifact, Entry, shared_writable_reason
+from dsa_aot.cache.store import (META, ArtifactStore, CacheError, CorruptArtifact, Entry, mkdirs,
+                                  shared_writable_reason)
+from dsa_aot.launch import CudaError
 from dsa_aot.specs.models import KernelSpec
 
 log = logging.getLogger("dsa_aot")
@@ -104,14 +106,21 @@ class Loader:
     def features(self):
         """Probed features of this toolchain (probes run once per fingerprint, on a miss only)."""
         if self._features is None:
-            from dsa_aot.specs.probes import load_or_probe
+            from dsa_aot.specs.probes import load_or_probe, run_probes
 
             store = self.writable_store()
-            path = (store.root / self.fingerprint() / "features.json") if store else None
-            self._features = load_or_probe(path, ["sm_90a", "sm_100a"])
+            if store is None:  # nowhere to keep the results: probe for this process only
+                self._features = run_probes(["sm_90a", "sm_100a"])
+            else:
+                mkdirs(store.root / self.fingerprint())  # 0755, like the entries that will live there
+                self._features = load_or_probe(store.root / self.fingerprint() / "features.json",
+                                               ["sm_90a", "sm_100a"])
         return self._features
 
     def ranking(self, op: str) -> list[str]:
+        forced = _settings.get().backends  # DSA_AOT_BACKENDS replaces the catalog's ranking
+        if forced is not None:
+            return [b for b in forced if b in BACKENDS]
         if self._ranking is None:
             from dsa_aot.specs.catalog import load_catalog
 
@@ -151,8 +160,19 @@ class Loader:
         return None
 
     def _load_entry(self, store: ArtifactStore, entry: Entry, device_index: int) -> Any | None:
+        if not _settings.get().allow_shared_cache:  # the root was checked in stores(); now its subtree
+            for path in (entry.path.parent.parent, entry.path.parent, entry.path, entry.path / META):
+                reason = shared_writable_reason(path)
+                if reason:
+                    self._once(f"not loading {entry.key}: {reason}; fix its permissions (chmod go-w) "
+                               "or set DSA_AOT_ALLOW_SHARED_CACHE=1", logging.WARNING)
+                    return None
         try:
             manifest = ArtifactManifest.model_validate(entry.meta.payload)
+            if (manifest.spec.id, manifest.spec.arch, manifest.fingerprint) != (
+                    entry.meta.spec_id, entry.meta.arch, entry.meta.fingerprint):
+                raise CorruptArtifact(f"{entry.key}: its manifest describes {manifest.fingerprint}/"
+                                      f"{manifest.spec.arch}/{manifest.spec.id}")
             backend = BACKENDS[manifest.spec.backend]
             kernel = backend.load(manifest, lambda name: store.read_file(entry, name), device_index)
         except CorruptArtifact as exc:
@@ -168,10 +188,11 @@ class Loader:
     def build_and_load(self, spec: KernelSpec, device_index: int) -> tuple[Any, str]:
         """JIT: compile ``spec``, publish it (under the key's lock), load it. Raises BuildError."""
         backend = BACKENDS[spec.backend]
-        store = self.writable_store()
+        store = self.writable_store() if self.toolchain().complete else None  # never file under a weak key
         fingerprint = self.fingerprint()
         if store is None:
-            self._once(f"no writable cache root; {spec.id} is compiled in memory only", logging.WARNING)
+            self._once(f"no writable cache root (or an incomplete toolchain key); {spec.id} is compiled "
+                       "in memory only", logging.WARNING)
             built = backend.build(spec, fingerprint)
             return backend.load(built.manifest, built.files.__getitem__, device_index), "jit:memory"
         with store.lock(fingerprint, spec.arch, spec.id):
@@ -180,6 +201,7 @@ class Loader:
                 kernel = self._load_entry(store, entry, device_index)
                 if kernel is not None:
                     return kernel, f"cache:{store.root}"
+            store.sweep_staging()  # debris of builders that died mid-publish
             self._once(f"JIT compiling {spec.id} (run `{prebuild_command(spec)}` at image build time to avoid this)")
             built = backend.build(spec, fingerprint)
             try:
@@ -219,6 +241,8 @@ class Loader:
                         return kernel, Resolution(spec, source, tuple(reasons))
                     except (BuildError, OSError, CacheError, TimeoutError) as exc:
                         reason = f"JIT build of {spec.id} failed: {exc}"
+                    except CudaError as exc:  # e.g. a driver too old for the fresh cubin
+                        reason = f"JIT-built {spec.id} could not be loaded: {exc}"
                 reasons.append(reason)
                 self._once(f"{spec.id}: {reason}; trying the next backend", logging.WARNING)
             spec = first_spec or KernelSpec(op=op, arch=arch, d_qk=d_qk, heads=heads, layout=layout)

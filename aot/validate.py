@@ -26,7 +26,7 @@ def _tensor(name: str, t: object, ndim: int, dtype: torch.dtype, q: torch.Tensor
         raise InputError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
     if t.dtype != dtype:
         raise InputError(f"{name} must be {dtype}, got {t.dtype}; convert with .to({dtype})")
-    if q is not None and t.get_device() != q.get_device():
+    if q is not None and (t.get_device() != q.get_device() or (not t.is_cuda and t.device != q.device)):
         raise InputError(f"{name} is on {t.device} but q is on {q.device}; move it with .to(q.device)")
     if not t.is_contiguous():
         raise InputError(f"{name} must be contiguous (strides {t.stride()}); call .contiguous()")

@@ -10,19 +10,23 @@ publishes each entry through the store's atomic path.
 from __future__ import annotations
 
 import io
+import lzma
 import os
 import tarfile
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from dsa_aot.cache.store import ArtifactStore, CacheError, EntryMeta, sha256_bytes
+from dsa_aot.cache.store import ArtifactStore, CacheError, EntryMeta, check_file_names, sha256_bytes
 
 MAX_MEMBER_BYTES = 1 << 30
 MAX_META_BYTES = 64 << 20
+#: What reading a truncated or corrupt (possibly compressed) tar raises.
+_DAMAGED = (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError)
 
 
 class BundleError(CacheError):
@@ -99,6 +103,45 @@ def _read_member(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], name
     return data
 
 
+def _verified_entries(tar: tarfile.TarFile, store: ArtifactStore,
+                      max_member_bytes: int) -> list[tuple[EntryMeta, dict[str, bytes]]]:
+    """Every entry of the bundle with its files, all checked; raises BundleError on anything else."""
+    members: dict[str, tarfile.TarInfo] = {}
+    for info in tar.getmembers():
+        name = info.name
+        if name.startswith("/") or ".." in Path(name).parts or "\\" in name:
+            raise BundleError(f"bundle member {name!r} has an unsafe path")
+        if name in members:
+            raise BundleError(f"bundle member {name!r} appears twice")
+        members[name] = info
+    try:
+        index = BundleIndex.model_validate_json(_read_member(tar, members, "bundle.json", MAX_META_BYTES))
+    except BundleError:
+        raise
+    except ValueError as exc:
+        raise BundleError(f"bundle.json is invalid: {exc}") from None
+    expected = {"bundle.json"}
+    staged: list[tuple[EntryMeta, dict[str, bytes]]] = []
+    for meta in index.entries:
+        store.entry_dir(meta.fingerprint, meta.arch, meta.spec_id)  # validates the names
+        check_file_names(meta.files)  # before anything is written, not at publish time
+        if not meta.payload_intact():
+            raise BundleError(f"bundle entry {meta.spec_id}: payload sha256 mismatch")
+        files = {}
+        for name, info in meta.files.items():
+            member = _member_name(meta, name)
+            expected.add(member)
+            data = _read_member(tar, members, member, max_member_bytes)
+            if len(data) != info.size or sha256_bytes(data) != info.sha256:
+                raise BundleError(f"bundle member {member!r}: sha256 mismatch")
+            files[name] = data
+        staged.append((meta, files))
+    unexpected = sorted(set(members) - expected - {n for n in members if members[n].isdir()})
+    if unexpected:
+        raise BundleError(f"bundle has unexpected members: {unexpected[:5]}")
+    return staged
+
+
 def import_bundle(store: ArtifactStore, path: Path, *, max_member_bytes: int = MAX_MEMBER_BYTES) -> ImportReport:
     """Verify a whole bundle, then publish its entries. Raises BundleError before writing anything
     if any member is hostile or any hash is wrong."""
@@ -106,37 +149,11 @@ def import_bundle(store: ArtifactStore, path: Path, *, max_member_bytes: int = M
         tar = tarfile.open(path, "r:*")
     except (tarfile.TarError, OSError) as exc:
         raise BundleError(f"{path} is not a readable tar bundle: {exc}") from None
-    with tar:
-        members: dict[str, tarfile.TarInfo] = {}
-        for info in tar.getmembers():
-            name = info.name
-            if name.startswith("/") or ".." in Path(name).parts or "\\" in name:
-                raise BundleError(f"bundle member {name!r} has an unsafe path")
-            if name in members:
-                raise BundleError(f"bundle member {name!r} appears twice")
-            members[name] = info
-        try:
-            index = BundleIndex.model_validate_json(_read_member(tar, members, "bundle.json", MAX_META_BYTES))
-        except BundleError:
-            raise
-        except ValueError as exc:
-            raise BundleError(f"bundle.json is invalid: {exc}") from None
-        expected = {"bundle.json"}
-        staged: list[tuple[EntryMeta, dict[str, bytes]]] = []
-        for meta in index.entries:
-            store.entry_dir(meta.fingerprint, meta.arch, meta.spec_id)  # validates the names
-            files = {}
-            for name, info in meta.files.items():
-                member = _member_name(meta, name)
-                expected.add(member)
-                data = _read_member(tar, members, member, max_member_bytes)
-                if len(data) != info.size or sha256_bytes(data) != info.sha256:
-                    raise BundleError(f"bundle member {member!r}: sha256 mismatch")
-                files[name] = data
-            staged.append((meta, files))
-        unexpected = sorted(set(members) - expected - {n for n in members if members[n].isdir()})
-        if unexpected:
-            raise BundleError(f"bundle has unexpected members: {unexpected[:5]}")
+    try:
+        with tar:
+            staged = _verified_entries(tar, store, max_member_bytes)
+    except _DAMAGED as exc:  # a truncated or corrupt archive or compressed stream
+        raise BundleError(f"{path} is damaged or truncated: {type(exc).__name__}: {exc}") from None
     imported, present = [], []
     for meta, files in staged:
         key = f"{meta.fingerprint}/{meta.arch}/{meta.spec_id}"

@@ -12,21 +12,26 @@ the directory tree is the truth, and an index failure never fails a load.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
+import json
 import logging
 import os
 import re
 import shutil
+import socket
 import stat
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from filelock import FileLock
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+if TYPE_CHECKING:
+    from filelock import FileLock
 
 log = logging.getLogger("dsa_aot.cache")
 
@@ -50,7 +55,8 @@ class FileInfo(BaseModel):
 
 
 class EntryMeta(BaseModel):
-    """``meta.json``: written last, read first."""
+    """``meta.json``: written last, read first. ``payload_sha256`` guards the payload (e.g. a
+    launch record) the way each file's sha256 guards its bytes."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     format: Literal["dsa-aot.entry.v1"] = "dsa-aot.entry.v1"
@@ -60,6 +66,10 @@ class EntryMeta(BaseModel):
     files: dict[str, FileInfo]
     created: float
     payload: dict[str, Any] = {}
+    payload_sha256: str
+
+    def payload_intact(self) -> bool:
+        return payload_sha256(self.payload) == self.payload_sha256
 
 
 @dataclass(frozen=True)
@@ -90,8 +100,21 @@ def _check_name(kind: str, value: str) -> str:
     return value
 
 
+def check_file_names(names: Iterable[str]) -> None:
+    """Raise CacheError unless every name can be an entry's file (one safe component, not META)."""
+    for name in names:
+        if name == META:
+            raise CacheError(f"{META} is reserved")
+        _check_name("file", name)
+
+
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def payload_sha256(payload: dict[str, Any]) -> str:
+    """sha256 of the canonical JSON of an entry's payload."""
+    return sha256_bytes(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode())
 
 
 def _fsync_dir(path: Path) -> None:
@@ -102,8 +125,38 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+@functools.lru_cache(maxsize=1)
+def _host_tag() -> str:
+    """Names this boot and PID namespace: only there can a staging dir's pid be checked."""
+    parts = [socket.gethostname()]
+    try:
+        parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    except OSError:  # not Linux: the host name alone
+        pass
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:8]
+
+
+def mkdirs(path: Path) -> None:
+    """``mkdir -p`` that creates every missing level with mode 0755, so a umask such as 002
+    never makes the tree group-writable (which the loader would then refuse to load from)."""
+    missing = []
+    while not path.is_dir() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for level in reversed(missing):
+        try:
+            level.mkdir(mode=0o755)
+        except FileExistsError:
+            pass
+
+
+def _create_0644(path: str, flags: int) -> int:
+    return os.open(path, flags, 0o644)
+
+
 def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "xb") as fh:
+    with open(path, "xb", opener=_create_0644) as fh:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
@@ -143,7 +196,7 @@ class ArtifactStore:
         if self.read_only:
             return False
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            mkdirs(self.root)
         except OSError:
             return False
         return os.access(self.root, os.W_OK | os.X_OK)
@@ -163,6 +216,9 @@ class ArtifactStore:
             return None
         if (meta.fingerprint, meta.arch, meta.spec_id) != (fingerprint, arch, spec_id):
             self._quarantine_path(path, f"{META} names {meta.fingerprint}/{meta.arch}/{meta.spec_id}")
+            return None
+        if not meta.payload_intact():
+            self._quarantine_path(path, f"{META}: payload sha256 mismatch")
             return None
         return Entry(path=path, meta=meta)
 
@@ -206,11 +262,13 @@ class ArtifactStore:
                         yield entry
 
     # -- writing -------------------------------------------------------------------------
-    def lock(self, fingerprint: str, arch: str, spec_id: str) -> FileLock:
+    def lock(self, fingerprint: str, arch: str, spec_id: str) -> "FileLock":
         """An inter-process lock for building one key (bounded wait: ``lock_timeout_s``)."""
         locks = self.root / LOCKS
-        locks.mkdir(parents=True, exist_ok=True)
+        mkdirs(locks)
         name = f"{_check_name('fingerprint', fingerprint)}.{_check_name('arch', arch)}.{_check_name('spec id', spec_id)}.lock"
+        from filelock import FileLock  # only builders lock; a cache hit never imports it
+
         return FileLock(str(locks / name), timeout=self.lock_timeout_s)
 
     def publish(self, fingerprint: str, arch: str, spec_id: str, files: dict[str, bytes],
@@ -219,23 +277,20 @@ class ArtifactStore:
         if self.read_only:
             raise CacheError(f"{self.root} is a read-only cache root")
         final = self.entry_dir(fingerprint, arch, spec_id)
-        for name in files:
-            if name == META:
-                raise CacheError(f"{META} is reserved")
-            _check_name("file", name)
+        check_file_names(files)
         staging_root = self.root / STAGING
-        staging_root.mkdir(parents=True, exist_ok=True)
-        staging = staging_root / f"{os.getpid()}-{uuid.uuid4().hex}"
-        staging.mkdir()
+        mkdirs(staging_root)
+        staging = staging_root / f"{os.getpid()}-{_host_tag()}-{uuid.uuid4().hex}"
+        staging.mkdir(mode=0o755)
         try:
             for name, data in files.items():
                 _write_file(staging / name, data)
             meta = EntryMeta(fingerprint=fingerprint, arch=arch, spec_id=spec_id, created=time.time(),
                              files={n: FileInfo(sha256=sha256_bytes(d), size=len(d)) for n, d in files.items()},
-                             payload=payload or {})
+                             payload=payload or {}, payload_sha256=payload_sha256(payload or {}))
             _write_file(staging / META, meta.model_dump_json(indent=1).encode())
             _fsync_dir(staging)
-            final.parent.mkdir(parents=True, exist_ok=True)
+            mkdirs(final.parent)
             try:
                 os.rename(staging, final)
             except OSError as exc:
@@ -244,7 +299,10 @@ class ArtifactStore:
                 existing = self.lookup(fingerprint, arch, spec_id)
                 if existing is not None:
                     return existing
-                raise
+                # Debris without meta.json (e.g. a delete that was killed) is never an entry:
+                # move it aside and publish, so one crash cannot block the key for good.
+                self._quarantine_path(final, f"incomplete directory without {META} in the way")
+                os.rename(staging, final)
             _fsync_dir(final.parent)
         finally:
             if staging.exists():
@@ -263,7 +321,7 @@ class ArtifactStore:
             return
         dest_root = self.root / QUARANTINE
         try:
-            dest_root.mkdir(parents=True, exist_ok=True)
+            mkdirs(dest_root)
             rel = path.relative_to(self.root)
             dest = dest_root / f"{'.'.join(rel.parts)}.{int(time.time())}.{uuid.uuid4().hex[:8]}"
             os.rename(path, dest)
@@ -274,15 +332,20 @@ class ArtifactStore:
             log.warning("dsa-aot: could not quarantine %s: %s", path, exc)
 
     def sweep_staging(self, max_age_s: float = 3600.0) -> int:
-        """Remove staging dirs of dead builders (or older than ``max_age_s``); returns the count."""
+        """Remove staging dirs of dead builders (or older than ``max_age_s``); returns the count.
+
+        A builder counts as dead only when its pid is gone from this boot and PID namespace;
+        staging dirs of other hosts or containers sharing the root are removed by age alone.
+        """
         staging_root = self.root / STAGING
         if self.read_only or not staging_root.is_dir():
             return 0
         removed = 0
         now = time.time()
         for path in staging_root.iterdir():
-            pid_text = path.name.split("-", 1)[0]
-            alive = pid_text.isdigit() and _pid_alive(int(pid_text))
+            pid_text, _, rest = path.name.partition("-")
+            host = rest.split("-", 1)[0] if "-" in rest else _host_tag()  # "<pid>-<uuid>": local
+            alive = pid_text.isdigit() and (host != _host_tag() or _pid_alive(int(pid_text)))
             try:
                 old = now - path.stat().st_mtime > max_age_s
             except FileNotFoundError:
@@ -297,8 +360,16 @@ class ArtifactStore:
         if self._index is None and not self.read_only:
             import diskcache
 
-            self._index = diskcache.Cache(str(self.root / INDEX), timeout=5)
+            self._index = diskcache.Cache(str(self.root / INDEX), timeout=5, disk=_json_only_disk())
         return self._index
+
+    def _index_record(self, key: str) -> dict[str, Any] | None:
+        """The JSON record of ``key``; None when missing or not a JSON object."""
+        try:
+            rec = json.loads(self._open_index().get(key) or "null")
+        except ValueError:  # not JSON, or a row _json_only_disk refused
+            return None
+        return rec if isinstance(rec, dict) else None
 
     def _index_update(self, entry: Entry, *, created: bool = False, hit: bool = False) -> None:
         if self.read_only:
@@ -306,11 +377,11 @@ class ArtifactStore:
         try:
             index = self._open_index()
             with index.transact():
-                rec = index.get(entry.key) or {"hits": 0, "created": entry.meta.created}
+                rec = self._index_record(entry.key) or {"hits": 0, "created": entry.meta.created}
                 rec = dict(rec, size=entry.size, last_used=time.time())
                 if hit:
                     rec["hits"] = int(rec.get("hits", 0)) + 1
-                index.set(entry.key, rec)
+                index.set(entry.key, json.dumps(rec))
         except Exception as exc:  # advisory index: never fail a load or a publish
             log.debug("dsa-aot: cache index update failed for %s: %s", entry.key, exc)
 
@@ -322,7 +393,7 @@ class ArtifactStore:
         if self.read_only:
             return {}
         try:
-            return dict(self._open_index().get(entry.key) or {})
+            return self._index_record(entry.key) or {}
         except Exception:
             return {}
 
@@ -330,6 +401,7 @@ class ArtifactStore:
         """Drop other fingerprints' trees, then least-recently-used entries above ``max_bytes``."""
         if self.read_only:
             raise CacheError(f"{self.root} is a read-only cache root")
+        self.sweep_staging()
         removed_fps, removed, freed = [], [], 0
         if self.root.is_dir():
             for fp_dir in sorted(self.root.iterdir()):
@@ -361,6 +433,35 @@ class ArtifactStore:
             log.debug("dsa-aot: cache index cleanup failed: %s", exc)
         shutil.rmtree(self.root / QUARANTINE, ignore_errors=True)
         return GcReport(removed_fps, removed, freed, total)
+
+
+def _json_only_disk():
+    """A diskcache ``Disk`` for rows that are str keys and inline JSON text. Whatever a row in
+    ``cache.db`` says, it never unpickles (diskcache would, for non-str keys and values) and never
+    reads or deletes a file the row names: the index is advisory and nothing in it runs."""
+    import diskcache
+    from diskcache.core import MODE_RAW
+
+    class JsonOnlyDisk(diskcache.Disk):
+        def get(self, key, raw):
+            if not raw:
+                raise ValueError("refusing a pickled cache index key")
+            return super().get(key, raw)
+
+        def store(self, value, read, key=diskcache.core.UNKNOWN):
+            if not isinstance(value, str) or len(value) >= self.min_file_size:
+                raise ValueError("the cache index holds short JSON text only")
+            return super().store(value, read, key=key)
+
+        def fetch(self, mode, filename, value, read):
+            if mode != MODE_RAW or filename is not None:
+                raise ValueError("refusing a cache index row that is not inline text")
+            return super().fetch(mode, filename, value, read)
+
+        def remove(self, file_path):
+            pass  # rows here never own files: never delete a path that a row names
+
+    return JsonOnlyDisk
 
 
 def _tree_size(path: Path) -> int:

@@ -1,0 +1,160 @@
+"""Shared pieces of the reliability tests: the CPU-side artifact check, child processes, digests.
+
+What is real here: the store, its file locks, the loader's lookup / build / publish protocol,
+TileLang and nvcc (through ``_tiny_kernel``). What is not: loading a cubin into a GPU, which
+this CPU machine cannot do. Child processes replace only ``load`` (``CpuCheckedTileLang``): it
+reads every stage through the loader's sha256-checked reader, then checks that the bytes are a
+CUDA ELF holding the launch record's entry symbol, and records the load. In-process tests keep
+the real ``load``, which gets as far as the CUDA driver (absent here) and fails there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from _tiny_kernel import record
+
+HERE = Path(__file__).resolve().parent
+CHILD = HERE / "_child.py"
+EM_CUDA = 190
+
+
+@dataclass(frozen=True)
+class CpuLoaded:
+    """What a CPU-side "load" returns: the spec and the sha256 of each stage's cubin."""
+
+    spec_id: str
+    cubins: dict[str, str]
+
+
+def check_cubin(data: bytes, entry: str) -> None:
+    """Raise unless ``data`` is an ELF for the CUDA machine that defines the symbol ``entry``."""
+    if data[:4] != b"\x7fELF":
+        raise ValueError("not an ELF file")
+    if int.from_bytes(data[18:20], "little") != EM_CUDA:
+        raise ValueError(f"ELF machine {int.from_bytes(data[18:20], 'little')} is not EM_CUDA")
+    if entry.encode() + b"\x00" not in data:
+        raise ValueError(f"entry {entry!r} is not in the cubin")
+
+
+def make_backend(calls: list | None = None, cpu_load: bool = True):
+    """A TileLangBackend that counts its builds (``build`` events). With ``cpu_load`` its
+    ``load`` checks the cubins on the CPU instead of loading them into a GPU; without, the
+    real ``load`` runs (on a machine without a driver it fails in ``CubinKernel``)."""
+    from dsa_aot.backends import TileLangBackend
+
+    class CountingTileLang(TileLangBackend):
+        def build(self, spec, fingerprint):
+            record("build", spec.id)  # the compile counter
+            return super().build(spec, fingerprint)
+
+    class CpuCheckedTileLang(CountingTileLang):
+        def load(self, manifest, read: Callable[[str], bytes], device_index: int) -> CpuLoaded:
+            cubins = {}
+            for stage in manifest.stages:
+                data = read(stage.file)  # the loader's reader: sha256-checked store read
+                check_cubin(data, stage.launch.entry)
+                cubins[stage.name] = hashlib.sha256(data).hexdigest()
+            if calls is not None:
+                calls.append((manifest.spec.id, cubins))
+            record("load", manifest.spec.id)
+            return CpuLoaded(manifest.spec.id, cubins)
+
+    return CpuCheckedTileLang() if cpu_load else CountingTileLang()
+
+
+def install(calls: list | None = None, tiny: bool = True, cpu_load: bool = True) -> Callable[[], None]:
+    """Count builds, route loads to the CPU check (``cpu_load``) and the TileLang fwd stage to
+    the tiny kernel (``tiny``); returns a function that undoes all of it."""
+    from dsa_aot import backends, registry
+
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    old_stages = registry.STAGES[("tilelang", "fwd")]
+    old_backend = backends.BACKENDS["tilelang"]
+    if tiny:
+        registry.STAGES[("tilelang", "fwd")] = (registry.StageDef("fwd", "_tiny_kernel", "build_fwd"),)
+    backends.BACKENDS["tilelang"] = make_backend(calls, cpu_load)
+
+    def undo() -> None:
+        registry.STAGES[("tilelang", "fwd")] = old_stages
+        backends.BACKENDS["tilelang"] = old_backend
+
+    return undo
+
+
+def spec(heads: int = 16, d_qk: int = 512, layout: str = "noncompact", arch: str = "sm_90a"):
+    from dsa_aot.specs.models import KernelSpec
+
+    return KernelSpec(op="fwd", arch=arch, d_qk=d_qk, heads=heads, layout=layout)
+
+
+def events(path: Path, kind: str | None = None) -> list[list[str]]:
+    """Lines of an events file split into fields, optionally only one kind."""
+    if not path.exists():
+        return []
+    rows = [ln.split() for ln in path.read_text().splitlines() if ln.strip()]
+    return [r for r in rows if kind is None or r[0] == kind]
+
+
+def child_env(root: Path, events_path: Path, toolchain_json: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DSA_AOT_", "REL_"))}
+    env.update(DSA_AOT_CACHE_DIR=str(root), REL_EVENTS=str(events_path), REL_TOOLCHAIN=toolchain_json,
+               TILELANG_PRINT_ON_COMPILATION="0", PYTHONDONTWRITEBYTECODE="1")
+    env.update(extra)
+    return env
+
+
+def start_child(config: dict[str, Any], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(CHILD), json.dumps(config)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@dataclass
+class ChildResult:
+    returncode: int
+    result: dict[str, Any] | None
+    stderr: str
+
+
+def finish(proc: subprocess.Popen, timeout_s: float = 120.0) -> ChildResult:
+    """Wait for a child (killing it past ``timeout_s``) and parse its last stdout line."""
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"child timed out after {timeout_s} s; stderr tail:\n{err[-3000:]}") from None
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    return ChildResult(proc.returncode, json.loads(lines[-1]) if lines else None, err)
+
+
+def run_child(config: dict[str, Any], env: dict[str, str], timeout_s: float = 120.0) -> ChildResult:
+    return finish(start_child(config, env), timeout_s)
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Relative path -> sha256 (files), 'dir' or 'link -> target' for everything under ``root``."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        if p.is_symlink():
+            out[rel] = f"link -> {os.readlink(p)}"
+        elif p.is_dir():
+            out[rel] = "dir"
+        else:
+            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def staging_leftovers(root: Path) -> list[str]:
+    staging = root / ".staging"
+    return sorted(p.name for p in staging.iterdir()) if staging.is_dir() else []

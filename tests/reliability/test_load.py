@@ -1,0 +1,97 @@
+"""Hot-cache load: many lookups from many threads, and the index under concurrent writers."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+
+import torch
+
+import _harness
+from dsa_aot import ops
+
+THREADS = 8
+TARGET_PER_S = 10_000
+#: Floor for the store path (read + parse meta.json, sha256 of the cubin): it measured 11-14k/s
+#: on the 2-core dev machine, too close to 10k to assert on a shared runner. It runs once per
+#: key per process; the per-call path is the ops memo, held to TARGET_PER_S.
+STORE_FLOOR_PER_S = 5_000
+
+
+def _hammer(fn, per_thread: int) -> tuple[float, list]:
+    """Run ``fn()`` ``per_thread`` times in each of 8 threads released together; (rate, results)."""
+    start = threading.Barrier(THREADS + 1)
+    results: list = [None] * THREADS
+
+    def worker(i: int) -> None:
+        start.wait()
+        seen = set()
+        for _ in range(per_thread):
+            seen.add(fn())
+        results[i] = seen
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join(timeout=120)
+    return THREADS * per_thread / (time.perf_counter() - t0), results
+
+
+def test_store_lookups_from_eight_threads(rig):
+    store = rig.store()
+    cubin = b"\x7fELF" + os.urandom(6000)  # the size of a small real cubin
+    payload = {"stages": [{"name": "fwd", "grid": ["s_q", "1", "1"], "params": list(range(12))}], "x": "y" * 400}
+    store.publish(rig.fingerprint, "sm_90a", _harness.spec().id, {"fwd.cubin": cubin, "fwd.cu": os.urandom(30000)},
+                  payload)
+    want = hashlib.sha256(cubin).hexdigest()
+
+    def lookup_and_read() -> tuple[str, str]:
+        entry = store.lookup(rig.fingerprint, "sm_90a", _harness.spec().id)
+        return entry.meta.spec_id, hashlib.sha256(store.read_file(entry, "fwd.cubin")).hexdigest()
+
+    rates = []
+    for _ in range(3):  # best of three: the machine is shared
+        rate, results = _hammer(lookup_and_read, 1250)
+        assert all(r == {(_harness.spec().id, want)} for r in results)  # every read consistent
+        rates.append(rate)
+    print(f"\nArtifactStore.lookup + read_file (sha256-checked), 8 threads: {max(rates):,.0f}/s")
+    assert max(rates) >= STORE_FLOOR_PER_S, rates
+
+
+def test_ops_memo_from_eight_threads():
+    """The per-call path: 8 threads race the first call of one key (one kernel object made),
+    then look it up 100 000 times."""
+    ops._clear()
+    cpu = torch.device("cpu")
+    first_rate, first = _hammer(lambda: id(ops._kernel("fwd", cpu, 576, 64, "noncompact")), 1)
+    assert len(set().union(*first)) == 1  # one kernel object, whichever thread won
+    rate, results = _hammer(lambda: id(ops._kernel("fwd", cpu, 576, 64, "noncompact")), 12_500)
+    assert set().union(*results) == set().union(*first)
+    print(f"\nops memo lookups, 8 threads: {rate:,.0f}/s")
+    assert rate >= TARGET_PER_S
+
+
+def test_index_survives_concurrent_writers(rig):
+    store = rig.store()
+    sids = [_harness.spec(heads=h).id for h in (16, 32)]
+    for sid in sids:
+        store.publish(rig.fingerprint, "sm_90a", sid, {"fwd.cubin": os.urandom(1000)})
+    hitters = [_harness.start_child({"action": "hits", "spec_ids": sids, "hits": 250}, rig.env()) for _ in range(4)]
+    for i in range(20):  # meanwhile this process publishes (index writes too)
+        store.publish(rig.fingerprint, "sm_90a", f"extra-{i}", {"f": os.urandom(100)})
+    for proc in hitters:
+        res = _harness.finish(proc, 120)
+        assert res.returncode == 0, res.stderr[-2000:]
+    for sid in sids:  # 4 processes x 250 hits over 2 entries: 500 each, none lost
+        assert store.stats(store.lookup(rig.fingerprint, "sm_90a", sid))["hits"] == 500
+    keep = store.lookup(rig.fingerprint, "sm_90a", sids[0])
+    store.record_hit(keep)  # most recently used
+    report = store.gc(rig.fingerprint, max_bytes=keep.size)
+    assert len(report.removed_entries) == 21 and report.remaining_bytes == keep.size
+    assert [e.meta.spec_id for e in store.entries()] == [sids[0]]
+    assert store.stats(keep)["hits"] == 501
