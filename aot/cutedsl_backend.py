@@ -325,12 +325,13 @@ def _sha256(path: Path) -> str:
 
 
 def _runtime_lib_record(path: Path) -> RuntimeLibRecord:
-    parts = path.resolve().parts
-    try:
-        site = max(i for i, p in enumerate(parts) if p in ("site-packages", "dist-packages"))
-        package_path = "/".join(parts[site + 1:])
-    except ValueError:
-        package_path = path.name
+    resolved = path.resolve()
+    package_path = path.name
+    roots = sorted((Path(e).resolve() for e in sys.path if e), key=lambda p: len(p.parts), reverse=True)
+    for root in roots:  # relative to the import root holding it (site-packages, a --target dir, ...)
+        if resolved.is_relative_to(root) and resolved != root:
+            package_path = resolved.relative_to(root).as_posix()
+            break
     flavor = re.search(r"nvidia_cutlass_dsl/(cu\d+)/", package_path)
     distribution = f"nvidia-cutlass-dsl-libs-{flavor.group(1)}" if flavor else "nvidia-cutlass-dsl"
     return RuntimeLibRecord(name=path.name, distribution=distribution, package_path=package_path,
