@@ -164,6 +164,49 @@ def _running_row(matrix: compat.CompatMatrix) -> str | None:
     return None
 
 
+# --- the CI slice: two toolchains, each in its own registry-built environment -------------------
+
+@pytest.mark.compat
+@needs_nvcc
+def test_compat_ci_slice_two_toolchains(tmp_path):
+    matrix = compat.load_matrix()
+    ci = matrix.slices["ci"]
+    out = tmp_path / "compat"
+    start = time.perf_counter()
+    proc = run(["-m", "dsa_aot.cli", "compat", "--slice", "ci", "--envs-dir", str(ENVS_DIR), "--out", str(out)],
+               base_env(tmp_path / "unused-cache"), check=False, timeout=3600)
+    wall = time.perf_counter() - start
+    print(f"dsa-aot compat --slice ci: {wall:.0f} s\n{proc.stdout}\n{proc.stderr[-3000:]}")
+    report = compat.CompatReport.model_validate_json(out.with_name("compat.json").read_text())
+    assert proc.returncode == 0, report.problems or proc.stderr[-3000:]
+    names = [t.name for t in report.toolchains]
+    assert names == [t for t in (r.name for r in matrix.toolchain) if t in ci.toolchains]
+    assert sorted(r.id for r in report.specs) == sorted(ci.only)
+    assert report.machine["cpus"] and report.generated and report.matrix["slice"] == "ci"
+
+    by_name = {t.name: t for t in report.toolchains}
+    shipped = by_name[_running_row(matrix)]
+    assert shipped.fingerprint == Toolchain.current().fingerprint  # same key as this venv's
+    assert all(report.cell(s, shipped.name).status == "built" for s in ci.only)
+    assert len({t.fingerprint for t in report.toolchains}) == 2
+    for t in report.toolchains:
+        assert t.probes is not None and t.expect_mismatches == [], (t.name, t.expect_mismatches)
+        row = matrix_row(matrix, t.name)
+        assert t.installed["tilelang"] == row.pinned()["tilelang"]
+        assert t.probes["cute_math_isfinite"] is row.expect["cute_math_isfinite"]
+        assert t.probes["nvcc_archs"] == {"sm_90a": True, "sm_100a": True}
+        if row.expect.get("tilelang_bool_fragment_ok", {}).get("sm_100a") is False:
+            assert "boolx8" in t.probe_errors["tilelang_bool_fragment_ok[sm_100a]"]
+        for spec_id in ci.only:
+            cell = report.cell(spec_id, t.name)
+            assert cell is not None and cell.status in ("built", "skipped-by-feature", "failed")
+            assert (cell.status == "built") == (cell.detail == ""), (spec_id, t.name, cell)
+            assert (cell.status == "built") == (cell.loader_uses is None), (spec_id, t.name, cell)
+    text = out.with_name("compat.md").read_text()
+    assert "| spec | " + " | ".join(names) + " |" in text
+    assert all(f"| `{s}` |" in text for s in ci.only)
+
+
 @needs_nvcc
 @pytest.mark.parametrize("component", ["kernel sources", "nvcc", "tilelang+tvm-ffi+cutlass-dsl venv"])
 def test_switching_one_component_isolates_artifacts(component, root_a, tmp_path):
@@ -367,46 +410,3 @@ def test_report_names_what_the_loader_serves_instead():
     assert uses[(ids[1], "one-left")] is None and uses[(ids[2], "none-left")] is None  # built
     assert uses[(ids[2], "one-left")] == "reference"  # fwd has no second backend
     assert uses[(ids[0], "none-left")] == uses[(ids[1], "none-left")] == "reference"
-
-
-# --- the CI slice: two toolchains, each in its own registry-built environment -------------------
-
-@pytest.mark.compat
-@needs_nvcc
-def test_compat_ci_slice_two_toolchains(tmp_path):
-    matrix = compat.load_matrix()
-    ci = matrix.slices["ci"]
-    out = tmp_path / "compat"
-    start = time.perf_counter()
-    proc = run(["-m", "dsa_aot.cli", "compat", "--slice", "ci", "--envs-dir", str(ENVS_DIR), "--out", str(out)],
-               base_env(tmp_path / "unused-cache"), check=False, timeout=3600)
-    wall = time.perf_counter() - start
-    print(f"dsa-aot compat --slice ci: {wall:.0f} s\n{proc.stdout}\n{proc.stderr[-3000:]}")
-    report = compat.CompatReport.model_validate_json(out.with_name("compat.json").read_text())
-    assert proc.returncode == 0, report.problems or proc.stderr[-3000:]
-    names = [t.name for t in report.toolchains]
-    assert names == [t for t in (r.name for r in matrix.toolchain) if t in ci.toolchains]
-    assert sorted(r.id for r in report.specs) == sorted(ci.only)
-    assert report.machine["cpus"] and report.generated and report.matrix["slice"] == "ci"
-
-    by_name = {t.name: t for t in report.toolchains}
-    shipped = by_name[_running_row(matrix)]
-    assert shipped.fingerprint == Toolchain.current().fingerprint  # same key as this venv's
-    assert all(report.cell(s, shipped.name).status == "built" for s in ci.only)
-    assert len({t.fingerprint for t in report.toolchains}) == 2
-    for t in report.toolchains:
-        assert t.probes is not None and t.expect_mismatches == [], (t.name, t.expect_mismatches)
-        row = matrix_row(matrix, t.name)
-        assert t.installed["tilelang"] == row.pinned()["tilelang"]
-        assert t.probes["cute_math_isfinite"] is row.expect["cute_math_isfinite"]
-        assert t.probes["nvcc_archs"] == {"sm_90a": True, "sm_100a": True}
-        if row.expect.get("tilelang_bool_fragment_ok", {}).get("sm_100a") is False:
-            assert "boolx8" in t.probe_errors["tilelang_bool_fragment_ok[sm_100a]"]
-        for spec_id in ci.only:
-            cell = report.cell(spec_id, t.name)
-            assert cell is not None and cell.status in ("built", "skipped-by-feature", "failed")
-            assert (cell.status == "built") == (cell.detail == ""), (spec_id, t.name, cell)
-            assert (cell.status == "built") == (cell.loader_uses is None), (spec_id, t.name, cell)
-    text = out.with_name("compat.md").read_text()
-    assert "| spec | " + " | ".join(names) + " |" in text
-    assert all(f"| `{s}` |" in text for s in ci.only)
