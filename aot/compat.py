@@ -28,7 +28,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -250,26 +249,20 @@ def _tail(text: str, lines: int = 20) -> str:
 
 def _run(argv: Sequence[str], *, log: Path, timeout_s: float, env: dict[str, str] | None = None,
          cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run argv, appending its output to ``log``; a timeout kills its process group."""
+    """Run argv, appending its output to ``log``; a timeout kills its process group (rc 124)."""
+    from dsa_aot.specs.probes import run_killable
+
+    args = [str(a) for a in argv]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a") as fh:
-        fh.write(f"$ {' '.join(map(str, argv))}\n")
+        fh.write(f"$ {' '.join(args)}\n")
         fh.flush()
-        proc = subprocess.Popen([str(a) for a in argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            out, err = proc.communicate()
+        rc, out, err = run_killable(args, timeout_s, env=env, cwd=None if cwd is None else str(cwd))
+        if rc is None:
             fh.write(out + err + f"\n[timed out after {timeout_s:g} s]\n")
-            return subprocess.CompletedProcess(proc.args, 124, out, err + f"\ntimed out after {timeout_s:g} s")
-        fh.write(out + err + f"[exit {proc.returncode}]\n")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+            return subprocess.CompletedProcess(args, 124, out, err + f"\ntimed out after {timeout_s:g} s")
+        fh.write(out + err + f"[exit {rc}]\n")
+    return subprocess.CompletedProcess(args, rc, out, err)
 
 
 def _pip_env() -> dict[str, str]:

@@ -25,7 +25,6 @@ Records are JSON; this module imports only the standard library and pydantic.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -39,6 +38,8 @@ from pathlib import Path
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from dsa_aot.cache.store import sha256_file
 
 Arch = Literal["sm_90a", "sm_100a"]
 CuteKernel = Literal["bwd_preprocess", "bwd_postprocess"]
@@ -316,14 +317,6 @@ def _check_header(header: str, prefix: str, args: list[TensorArgRecord | StreamA
     return CuteSymbols(**{k: m.group(1) for k, m in found.items()})
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _runtime_lib_record(path: Path) -> RuntimeLibRecord:
     resolved = path.resolve()
     package_path = path.name
@@ -335,7 +328,7 @@ def _runtime_lib_record(path: Path) -> RuntimeLibRecord:
     flavor = re.search(r"nvidia_cutlass_dsl/(cu\d+)/", package_path)
     distribution = f"nvidia-cutlass-dsl-libs-{flavor.group(1)}" if flavor else "nvidia-cutlass-dsl"
     return RuntimeLibRecord(name=path.name, distribution=distribution, package_path=package_path,
-                            size=path.stat().st_size, sha256=_sha256(path))
+                            size=path.stat().st_size, sha256=sha256_file(path))
 
 
 def _cuda_home() -> Path:
@@ -472,7 +465,7 @@ def _finish(req: BuildRequest, job: dict[str, object], result: dict[str, object]
         object_file=obj.name, header=f"{name}.h", symbols=symbols, args=tuple(arg_models),
         link=req.link, runtime_libs=runtime_libs, cudart_version=cudart,
         use_isfinite=result["use_isfinite"], dsl_version=str(reply["dsl_version"]),
-        library_sha256=_sha256(lib),
+        library_sha256=sha256_file(lib),
         build_seconds=round(float(result["compile_seconds"]) + float(result["export_seconds"])
                             + time.perf_counter() - start, 3))
     (stage / RECORD_FILE).write_text(record.model_dump_json(indent=2))

@@ -19,7 +19,6 @@ that exact runtime.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import struct
 import sys
@@ -27,6 +26,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dsa_aot.cache.store import sha256_file
 from dsa_aot.cutedsl_backend import (
     RECORD_FILE,
     CuteExportRecord,
@@ -78,14 +78,6 @@ def _candidates(rec: RuntimeLibRecord, artifact_dir: Path, explicit: Path | None
     return found
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def find_runtime_library(rec: RuntimeLibRecord, artifact_dir: Path,
                          explicit: Path | None = None, verify: bool = True) -> Path:
     """The first candidate file with the recorded size (and sha256 when ``verify``)."""
@@ -97,7 +89,7 @@ def find_runtime_library(rec: RuntimeLibRecord, artifact_dir: Path,
         if size != rec.size:
             rejected.append(f"{path} ({size} bytes, expected {rec.size})")
             continue
-        if verify and _sha256(path) != rec.sha256:
+        if verify and sha256_file(path) != rec.sha256:
             rejected.append(f"{path} (sha256 differs)")
             continue
         return path

@@ -112,6 +112,15 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def sha256_file(path: Path) -> str:
+    """sha256 of a file, read in 4 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def payload_sha256(payload: dict[str, Any]) -> str:
     """sha256 of the canonical JSON of an entry's payload."""
     return sha256_bytes(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode())

@@ -169,7 +169,7 @@ def _tail(text: str) -> str:
     return text if len(text) <= _ERROR_CHARS else "..." + text[-_ERROR_CHARS:]
 
 
-def _run(argv: list[str], timeout_s: float, env: dict[str, str] | None = None,
+def run_killable(argv: list[str], timeout_s: float, env: dict[str, str] | None = None,
          cwd: str | None = None) -> tuple[int | None, str, str]:
     """Run argv in its own session; on timeout kill that process group. rc None = timed out."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -195,7 +195,7 @@ def _python_probe(code: str, args: Sequence[str], timeout_s: float) -> _Outcome:
         script = Path(tmp, "probe.py")  # a file, not -c: TileLang's parser reads the source
         script.write_text(code)
         try:
-            rc, out, err = _run([sys.executable, str(script), *args], timeout_s, env=env, cwd=tmp)
+            rc, out, err = run_killable([sys.executable, str(script), *args], timeout_s, env=env, cwd=tmp)
         except OSError as e:
             return _Outcome(None, f"cannot start {sys.executable}: {e}")
     if rc is None:
@@ -216,7 +216,7 @@ def _nvcc_arch_probe(nvcc: Path | None, arch: str, timeout_s: float) -> _Outcome
     with tempfile.TemporaryDirectory(prefix="dsa-aot-probe-") as tmp:
         Path(tmp, "probe.cu").write_text(_TINY_CU)
         try:
-            rc, out, err = _run([str(nvcc), "-cubin", f"-arch={arch}", "-o", "probe.cubin", "probe.cu"],
+            rc, out, err = run_killable([str(nvcc), "-cubin", f"-arch={arch}", "-o", "probe.cubin", "probe.cu"],
                                 timeout_s, cwd=tmp)
         except OSError as e:
             return _Outcome(None, f"cannot run {nvcc}: {e}")
@@ -231,7 +231,7 @@ def _nvcc_version_probe(nvcc: Path | None, timeout_s: float) -> _Outcome:
     if nvcc is None:
         return _Outcome(None, "no nvcc found")
     try:
-        rc, out, err = _run([str(nvcc), "--version"], timeout_s)
+        rc, out, err = run_killable([str(nvcc), "--version"], timeout_s)
     except OSError as e:
         return _Outcome(None, f"cannot run {nvcc}: {e}")
     match = _NVCC_RELEASE.search(out)
