@@ -1,7 +1,9 @@
 """dsa-aot: ahead-of-time compiled DeepSeek Sparse Attention (sparse MLA) kernels.
 
 ``import dsa_aot`` loads no compiler; kernels come from the prebuilt cache (see README).
-The public functions are imported on first use, so the CLI starts without torch.
+In a process that has already imported torch, the API modules are bound at import, so the
+first call does only per-variant work (fingerprint, lookup, load, launch). Otherwise they
+are imported on first use, so the CLI starts without torch.
 """
 
 from __future__ import annotations
@@ -32,3 +34,14 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+def _bind_if_torch_loaded() -> None:
+    import sys
+
+    if "torch" in sys.modules:
+        for name in __all__:
+            __getattr__(name)
+
+
+_bind_if_torch_loaded()
