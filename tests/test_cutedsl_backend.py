@@ -12,13 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import struct
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import cli, sm_of_elf
 import torch
 from pydantic import ValidationError
 
@@ -41,11 +40,6 @@ needs_build = pytest.mark.skipif(_CANNOT_BUILD is not None, reason=f"cannot buil
 
 def _fingerprint() -> str:
     return Toolchain.current().fingerprint
-
-
-def _sm_of_elf(data: bytes) -> int:
-    assert data[:4] == b"\x7fELF"
-    return (struct.unpack_from("<I", data, 48)[0] >> 8) & 0xFF
 
 
 def _needed(lib: bytes) -> bool:
@@ -93,7 +87,7 @@ def test_published_manifest(built: dict, arch: str) -> None:
         if isinstance(stage, CubinStage):
             assert {p.name for p in stage.launch.params} <= STAGE_PARAMS[stage.name]
             assert ("topk_length" in {p.name for p in stage.launch.params}) == (manifest.spec.layout == "compact")
-            assert _sm_of_elf(data) == int(arch[3:-1])
+            assert sm_of_elf(data) == int(arch[3:-1])
             continue
         rec = stage.cute
         assert isinstance(stage, CuteDslStage) and stage.file == f"{stage.name}.so"
@@ -204,16 +198,6 @@ def test_backends_setting_overrides_the_ranking(monkeypatch: pytest.MonkeyPatch)
 # ---------------------------------------------------------------------------------------------
 # prebuild and a fresh runtime process
 # ---------------------------------------------------------------------------------------------
-
-def cli(*args: str, root: Path, check: bool = True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DSA_AOT_CACHE_DIR=str(root), TILELANG_PRINT_ON_COMPILATION="0")
-    env.pop("DSA_AOT_PREBUILT_DIR", None)
-    proc = subprocess.run([sys.executable, "-m", "dsa_aot.cli", *args], env=env, capture_output=True,
-                          text=True, timeout=1800)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"dsa-aot {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
 
 def _count(stdout: str, status: str) -> int:
     for line in stdout.splitlines():

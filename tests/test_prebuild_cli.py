@@ -4,13 +4,10 @@ for real, then status / verify / export / import / gc work on those artifacts.""
 from __future__ import annotations
 
 import json
-import os
-import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import cli, sm_of_elf
 
 from dsa_aot.artifact import ArtifactManifest
 from dsa_aot.backends import STAGE_PARAMS
@@ -21,16 +18,6 @@ SMALL = ["fwd-sm_90a-d576-h64-noncompact-tilelang", "fwd-sm_100a-d512-h16-compac
          "bwd-sm_90a-d512-h128-compact-tilelang", "bwd-sm_100a-d576-h32-noncompact-tilelang"]
 
 
-def cli(*args: str, root: Path, check: bool = True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DSA_AOT_CACHE_DIR=str(root), TILELANG_PRINT_ON_COMPILATION="0")
-    env.pop("DSA_AOT_PREBUILT_DIR", None)
-    proc = subprocess.run([sys.executable, "-m", "dsa_aot.cli", *args], env=env, capture_output=True,
-                          text=True, timeout=1800)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"dsa-aot {' '.join(args)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("prebuilt")
@@ -38,12 +25,6 @@ def built(tmp_path_factory) -> Path:
     proc = cli("prebuild", "-q", "--jobs", "2", *only, root=root)
     assert f"built{'':<15}{len(SMALL):>5}" in proc.stdout, proc.stdout
     return root
-
-
-def _sm_of_cubin(data: bytes) -> int:
-    assert data[:4] == b"\x7fELF"
-    e_flags = struct.unpack_from("<I", data, 48)[0]
-    return (e_flags >> 8) & 0xFF
 
 
 def test_artifacts_are_cubins_for_their_arch(built):
@@ -61,7 +42,7 @@ def test_artifacts_are_cubins_for_their_arch(built):
             names = {p.name for p in stage.launch.params}
             assert names <= STAGE_PARAMS[stage.name]
             assert ("topk_length" in names) == (manifest.spec.layout == "compact" and stage.name in ("fwd", "bwd_main"))
-            assert _sm_of_cubin(store.read_file(entry, stage.file)) == int(arch[3:-1])
+            assert sm_of_elf(store.read_file(entry, stage.file)) == int(arch[3:-1])
         assert store.verify(entry) == []
 
 
