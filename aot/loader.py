@@ -18,7 +18,6 @@ import logging
 import threading
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from dsa_aot import settings as _settings
@@ -288,8 +287,3 @@ def _on_settings_change() -> None:
 
 
 _settings.on_change(_on_settings_change)
-
-
-def cache_roots() -> list[Path]:
-    cfg = _settings.get()
-    return [*cfg.prebuilt_dirs, cfg.cache_dir]
