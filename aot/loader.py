@@ -121,9 +121,9 @@ class Loader:
         if forced is not None:
             return [b for b in forced if b in BACKENDS]
         if self._ranking is None:
-            from dsa_aot.specs.catalog import load_catalog
+            from dsa_aot.specs.catalog import load_ranking
 
-            self._ranking = {k: list(v) for k, v in load_catalog().ranking.items()}
+            self._ranking = load_ranking()
         return [b for b in self._ranking.get(op, ["tilelang"]) if b in BACKENDS]
 
     def reset(self) -> None:

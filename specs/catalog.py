@@ -5,8 +5,8 @@ from __future__ import annotations
 import fnmatch
 import itertools
 import tomllib
-from importlib import resources
 from pathlib import Path
+from typing import get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -16,7 +16,7 @@ from dsa_aot.specs.models import Arch, Backend, KernelSpec, Layout, Op, TileConf
 class MatrixBlock(BaseModel):
     """One ``[[matrix]]`` table: the cross product of its lists."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     ops: list[Op]
     archs: list[Arch]
     d_qk: list[int]
@@ -26,10 +26,13 @@ class MatrixBlock(BaseModel):
     tile: TileConfig = TileConfig()
 
 
+DEFAULT_RANKING: dict[str, list[str]] = {"fwd": ["tilelang"], "bwd": ["tilelang"]}
+
+
 class Catalog(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
     matrix: list[MatrixBlock] = Field(min_length=1)
-    ranking: dict[Op, list[Backend]] = {"fwd": ["tilelang"], "bwd": ["tilelang"]}
+    ranking: dict[Op, list[Backend]] = DEFAULT_RANKING
 
     def specs(self, implemented: set[tuple[str, str]] | None = None) -> list[KernelSpec]:
         """Every spec, deduplicated, in catalog order; ``implemented`` = {(backend, op)} filter."""
@@ -46,19 +49,39 @@ class Catalog(BaseModel):
 
 
 def default_catalog_path() -> Path:
-    return Path(str(resources.files("dsa_aot.specs").joinpath("catalog.toml")))
+    return Path(__file__).with_name("catalog.toml")
 
 
-def load_catalog(path: Path | str | None = None) -> Catalog:
-    """Parse and validate a catalog file (the packaged default when ``path`` is None)."""
+def _read(path: Path | str | None) -> tuple[Path, dict]:
     path = Path(path) if path is not None else default_catalog_path()
     try:
-        data = tomllib.loads(path.read_text())
+        return path, tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"catalog {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"catalog {path} is not valid TOML: {exc}") from None
-    return Catalog.model_validate(data)
+
+
+def load_catalog(path: Path | str | None = None) -> Catalog:
+    """Parse and validate a catalog file (the packaged default when ``path`` is None)."""
+    return Catalog.model_validate(_read(path)[1])
+
+
+def load_ranking(path: Path | str | None = None) -> dict[str, list[str]]:
+    """The ``[ranking]`` table alone, checked as :class:`Catalog` would check it.
+
+    The runtime loader's path: it skips building the matrix models (a few ms per process).
+    """
+    path, data = _read(path)
+    ranking = data.get("ranking", DEFAULT_RANKING)
+    ops, backends = set(get_args(Op)), set(get_args(Backend))
+    if not isinstance(ranking, dict):
+        raise ValueError(f"catalog {path}: [ranking] must be a table of op = [backends]")
+    for op, names in ranking.items():
+        if op not in ops or not isinstance(names, list) or not set(names) <= backends:
+            raise ValueError(f"catalog {path}: ranking {op} = {names!r}; ops are {sorted(ops)}, "
+                             f"backends {sorted(backends)}")
+    return {op: list(names) for op, names in ranking.items()}
 
 
 def select(specs: list[KernelSpec], *, archs: list[str] | None = None, only: list[str] | None = None,

@@ -60,6 +60,7 @@ _VERSION = re.compile(r"^\d+\.\d+(?:\.\d+)*$")
 _PY_EXTENSION = re.compile(r"\.(?:abi3|cpython-[^./]+|cp\d+-[^./]+|pypy[^./]*)\.(?:so|pyd)$|\.pyd$")
 _NATIVE = re.compile(r"\.(?:so(?:\.\d+)*|dylib|dll)$")
 _SKIPPED_SOURCE_SUFFIXES = (".pyc", ".pyo", "~")
+_METADATA_VERSION = re.compile(r"^Version:[ \t]*(\S.*)$", re.M)
 
 
 class Distribution(BaseModel):
@@ -217,11 +218,25 @@ def _installed_distributions(search_path: Iterable[str]) -> dict[str, Path]:
 
 
 def _version(path: Path, name: str, reasons: list[str]) -> str:
-    try:
-        version = md.PathDistribution(path).version
-    except Exception as e:  # a broken METADATA file
-        version = None
-        reasons.append(f"{name}: cannot read its version from {path.name}: {e}")
+    """The ``Version:`` header of the distribution's METADATA (or PKG-INFO)."""
+    version = None
+    for fname in ("METADATA", "PKG-INFO"):
+        try:
+            with open(path / fname, encoding="utf-8", errors="replace") as f:
+                head = f.read(8192)  # the version is among the first headers
+        except OSError:
+            continue
+        match = _METADATA_VERSION.search(head.partition("\n\n")[0])
+        if match is None:  # an unusual layout: let the stdlib parse all of it
+            try:
+                version = md.PathDistribution(path).version
+            except Exception as e:  # a broken METADATA file
+                reasons.append(f"{name}: cannot read its version from {path.name}: {e}")
+        else:
+            version = match.group(1).strip()
+        break
+    else:
+        reasons.append(f"{name}: {path.name} has no METADATA")
     return version or "unknown"
 
 
@@ -245,6 +260,16 @@ def _skipped_record_path(path: str) -> bool:
     return path.endswith((".so", ".pyd")) and _PY_EXTENSION.search(path) is not None
 
 
+def _keyed_line(line: str) -> bool:
+    """Whether an unquoted RECORD line's path is keyed: :func:`_skipped_record_path`, made
+    cheap for the common line (a plain package file) by substring tests."""
+    if "__pycache__/" in line or ".pyc," in line or ".pyo," in line or line[0] == "/":
+        return False
+    if line.startswith("../") or "-info/" in line or ".so" in line or ".pyd," in line:
+        return not _skipped_record_path(line.split(",", 1)[0])
+    return True
+
+
 def record_digest(dist: md.Distribution, *, expect_native: bool = False) -> tuple[str | None, list[str]]:
     """sha256 over the sorted ``path,hash,size`` RECORD lines of ``dist``'s installed files.
 
@@ -265,20 +290,21 @@ def record_digest(dist: md.Distribution, *, expect_native: bool = False) -> tupl
             editable = False
         if editable:
             return None, ["editable install; its RECORD does not describe the built libraries"]
+    if '"' in text:  # csv quoting (a path with a comma or quote): parse every line
+        rows = [(r + ["", ""])[:3] for r in csv.reader(text.splitlines()) if r and r[0]]
+        rows = [r for r in rows if not _skipped_record_path(r[0])]
+    else:  # no quoting, so no comma in any path: filter by substrings (~5,000 lines, ~2 ms)
+        rows = [line.rsplit(",", 2) for line in text.splitlines() if line and _keyed_line(line)]
     lines: list[str] = []
     problems: list[str] = []
     natives = 0
-    for line in text.splitlines():
-        # path,sha256=...,size; csv quoting only where a path has a comma or quote
-        row = next(csv.reader([line]), []) if '"' in line else line.rsplit(",", 2)
-        if not row or not row[0] or _skipped_record_path(row[0]):
-            continue
-        path, digest, size = (row + ["", ""])[:3]
+    for row in rows:
+        path, digest, size = row if len(row) == 3 else (row + ["", ""])[:3]
         if not digest:
             problems.append(f"{path} has no hash in RECORD")
             continue
         lines.append(f"{path},{digest},{size}")
-        if _NATIVE.search(path):
+        if (".so" in path or ".dylib" in path or ".dll" in path) and _NATIVE.search(path):
             natives += 1
             try:
                 actual = os.stat(dist.locate_file(path)).st_size

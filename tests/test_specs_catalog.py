@@ -88,3 +88,18 @@ def test_settings_scope_restores():
     with pytest.raises(TypeError, match="unknown settings"):
         with settings.scope(nope=1):
             pass
+
+
+def test_ranking_alone_matches_full_catalog(tmp_path):
+    from dsa_aot.specs.catalog import load_catalog, load_ranking
+
+    assert load_ranking() == {k: list(v) for k, v in load_catalog().ranking.items()}
+    bad = tmp_path / "bad.toml"
+    for table, fragment in (('fwd = ["triton"]', "triton"), ('sideways = ["tilelang"]', "sideways"),
+                            ('fwd = "tilelang"', "tilelang")):
+        bad.write_text(f"[[matrix]]\nops=['fwd']\narchs=['sm_90a']\nd_qk=[576]\nheads=[64]\n"
+                       f"layouts=['compact']\n[ranking]\n{table}\n")
+        with pytest.raises(ValueError, match=fragment):
+            load_ranking(bad)
+        with pytest.raises(ValueError):
+            load_catalog(bad)

@@ -407,3 +407,44 @@ def test_importing_tilelang_does_not_change_the_key():
     before, after, complete, reasons = json.loads(out.stdout.strip().splitlines()[-1])
     assert complete, reasons
     assert before == after
+
+
+def _digest_by_csv(text: str) -> str:
+    """The documented rule, spelled the slow way: csv rows, skip, sort, sha256."""
+    import csv
+
+    rows = [(r + ["", ""])[:3] for r in csv.reader(text.splitlines()) if r and r[0]]
+    kept = sorted(",".join(r) for r in rows if not tc._skipped_record_path(r[0]))
+    return hashlib.sha256("\n".join(kept).encode()).hexdigest()
+
+
+@pytest.mark.parametrize("dist_name", ["tilelang", "apache-tvm-ffi", "pydantic"])
+def test_record_digest_matches_csv_rule_on_installed_records(dist_name):
+    import importlib.metadata as md
+
+    try:
+        dist = md.distribution(dist_name)
+    except md.PackageNotFoundError:
+        pytest.skip(f"{dist_name} not installed")
+    text = dist.read_text("RECORD")
+    digest, problems = tc.record_digest(dist)
+    assert problems == [] and digest == _digest_by_csv(text)
+
+
+def test_record_digest_quoted_and_plain_lines_agree(env):
+    """A quoted path (csv branch) and the substring filter give the same key for the same files."""
+    import importlib.metadata as md
+
+    record = env.dist_info("tilelang") / "RECORD"
+    plain = record.read_text()
+    extra = ["tilelang/deep/__pycache__/x.cpython-312.pyc,,", "tilelang/ext.cpython-312-x86_64-linux-gnu.so,sha256=e,1",
+             "tilelang/ext.abi3.so,sha256=f,2", "/abs/script,sha256=g,3", "tilelang/a.pyo,sha256=h,4",
+             "tilelang/so_data/file.txt,sha256=i,5"]
+    record.write_text(plain + "\n".join(extra) + "\n")
+    dist = md.PathDistribution(record.parent)
+    fast, _ = tc.record_digest(dist)
+    assert fast == _digest_by_csv(record.read_text())
+    quoted = record.read_text() + '"tilelang/a,b.txt",sha256=j,6\n'
+    record.write_text(quoted)
+    slow, _ = tc.record_digest(dist)
+    assert slow == _digest_by_csv(quoted) and slow != fast
