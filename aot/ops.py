@@ -55,7 +55,12 @@ def _sink(heads: int, device: torch.device) -> torch.Tensor:
     key = (device, heads)
     sink = _SINKS.get(key)
     if sink is None:
-        sink = _SINKS[key] = torch.full((heads,), float("-inf"), dtype=torch.float32, device=device)
+        if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            # a copy, not a fill kernel: the process's first call need not load torch's fill module
+            sink = torch.full((heads,), float("-inf"), dtype=torch.float32).to(device)
+        else:
+            sink = torch.full((heads,), float("-inf"), dtype=torch.float32, device=device)
+        _SINKS[key] = sink
     return sink
 
 
