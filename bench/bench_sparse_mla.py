@@ -21,6 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bwd_flops, environment, fwd_flops, make_inputs, time_cuda  # noqa: E402
 
 import dsa_aot  # noqa: E402
+from dsa_aot import ops, settings  # noqa: E402
+from dsa_aot.loader import MissingPrebuiltError  # noqa: E402
 
 BWD_SHAPES = [(4096, 8192, 64, 576, 2048), (4096, 8192, 128, 512, 1024)]
 FWD_SHAPES = [(4096, 8192, 64, 576, 2048), (4096, 8192, 128, 576, 2048), (4096, 8192, 128, 512, 1024)]
@@ -36,6 +38,27 @@ def peer_bwd():
     return sparse_attention_backward_wrapper
 
 
+def _served_by(op: str, heads: int, d_qk: int) -> str:
+    """The backend whose kernel the last call of this shape used (from the runner's spec)."""
+    for (kop, _, kd, kh, _), kernel in ops._KERNELS.items():
+        if (kop, kd, kh) == (op, d_qk, heads):
+            spec = getattr(kernel, "spec", None)
+            return spec.backend if spec is not None else "reference"
+    return "none"
+
+
+REF_ROWS = 256
+
+
+def reference(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 reference on the first 256 query rows (the full problem would take minutes)."""
+    from dsa_aot.kernels.reference import sparse_mla_fwd_ref
+
+    n = REF_ROWS
+    return sparse_mla_fwd_ref(x["q"][:n], x["kv"], x["topk_idxs"][:n], attn_sink=x["attn_sink"],
+                              compute_dtype=torch.float32)
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -45,19 +68,36 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("bench/results/h200.json"))
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--fwd-backends", nargs="+", default=["tilelang", "cutedsl"])
     args = ap.parse_args()
     env = environment()
     records = []
     peer = peer_bwd()
     for s_q, s_kv, h, d, k in FWD_SHAPES:
         x = make_inputs(s_q, s_kv, h, d, k)
-        ms = time_cuda(lambda: dsa_aot.sparse_mla_fwd(x["q"], x["kv"], x["topk_idxs"], attn_sink=x["attn_sink"]),
-                       reps=args.reps)
-        tf = fwd_flops(s_q, h, k, d) / ms / 1e9
-        records.append({"op": "fwd", "backend": "dsa-aot/tilelang", "s_q": s_q, "s_kv": s_kv, "heads": h,
-                        "d_qk": d, "topk": k, "ms": round(ms, 4), "tflops": round(tf, 1),
-                        "peer": None, "peer_ms": None, "ratio": None, "date": env["date"]})
-        print(f"fwd  h{h} d{d} k{k}: {ms:.3f} ms {tf:.0f} TFLOPS", flush=True)
+        for backend in args.fwd_backends:
+            with settings.scope(backends=(backend,)):  # that backend or its fallback, never another
+                def ours():
+                    return dsa_aot.sparse_mla_fwd(x["q"], x["kv"], x["topk_idxs"], attn_sink=x["attn_sink"])
+                try:
+                    out, lse = ours()
+                except MissingPrebuiltError as exc:
+                    print(f"fwd  h{h} d{d} k{k}: {backend} skipped: {exc}", flush=True)
+                    continue
+                served = _served_by("fwd", h, d)
+                if served != backend:
+                    print(f"fwd  h{h} d{d} k{k}: {backend} not available (served by {served}); skipped",
+                          flush=True)
+                    continue
+                ref_out, ref_lse = reference(x)
+                ms = time_cuda(ours, reps=args.reps)
+            tf = fwd_flops(s_q, h, k, d) / ms / 1e9
+            records.append({"op": "fwd", "backend": f"dsa-aot/{backend}", "s_q": s_q, "s_kv": s_kv, "heads": h,
+                            "d_qk": d, "topk": k, "ms": round(ms, 4), "tflops": round(tf, 1),
+                            "out_rel_err": round(rel(out[:REF_ROWS], ref_out), 5),
+                            "lse_max_abs_err": round(float((lse[:REF_ROWS] - ref_lse).abs().max()), 5),
+                            "peer": None, "peer_ms": None, "ratio": None, "date": env["date"]})
+            print(f"fwd  {backend:9s} h{h} d{d} k{k}: {ms:.3f} ms {tf:.0f} TFLOPS", flush=True)
     for s_q, s_kv, h, d, k in BWD_SHAPES:
         x = make_inputs(s_q, s_kv, h, d, k)
         out, lse = dsa_aot.sparse_mla_fwd(x["q"], x["kv"], x["topk_idxs"], attn_sink=x["attn_sink"])
@@ -89,12 +129,12 @@ def main() -> int:
     lines = [f"# Sparse MLA on {env['gpu']}", "",
              f"Command: `{cmd}`  ", f"Date: {env['date']}  ",
              "Toolchain: " + ", ".join(f"{k} {v}" for k, v in env.items() if k not in ("gpu", "date")), "",
-             "| op | S_q | S_kv | H | D_qk | K | dsa-aot ms | TFLOPS | peer ms | peer TFLOPS | ratio (peer ms / ours) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| op | backend | S_q | S_kv | H | D_qk | K | dsa-aot ms | TFLOPS | peer ms | peer TFLOPS | ratio (peer ms / ours) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         flops = (fwd_flops if r["op"] == "fwd" else bwd_flops)(r["s_q"], r["heads"], r["topk"], r["d_qk"])
         ptf = f"{flops / r['peer_ms'] / 1e9:.0f}" if r["peer_ms"] else "-"
-        lines.append(f"| {r['op']} | {r['s_q']} | {r['s_kv']} | {r['heads']} | {r['d_qk']} | {r['topk']} | "
+        lines.append(f"| {r['op']} | {r['backend'].split('/')[-1]} | {r['s_q']} | {r['s_kv']} | {r['heads']} | {r['d_qk']} | {r['topk']} | "
                      f"{r['ms']:.3f} | {r['tflops']:.0f} | {r['peer_ms'] or '-'} | {ptf} | {r['ratio'] or '-'} |")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[-len(records) - 2:]))
