@@ -60,6 +60,7 @@ _VERSION = re.compile(r"^\d+\.\d+(?:\.\d+)*$")
 _PY_EXTENSION = re.compile(r"\.(?:abi3|cpython-[^./]+|cp\d+-[^./]+|pypy[^./]*)\.(?:so|pyd)$|\.pyd$")
 _NATIVE = re.compile(r"\.(?:so(?:\.\d+)*|dylib|dll)$")
 _SKIPPED_SOURCE_SUFFIXES = (".pyc", ".pyo", "~")
+_EXEC_WRAPPER = re.compile(r'\A#![^\n]*\n(?:\s*(?:#[^\n]*)?\n)*\s*exec\s+(/\S+/bin/nvcc)\s+"\$@"\s*\Z')
 _METADATA_VERSION = re.compile(r"^Version:[ \t]*(\S.*)$", re.M)
 
 
@@ -385,15 +386,21 @@ def nvcc_version(nvcc: Path, *, spawn: bool = False) -> tuple[str | None, str | 
     return _nvcc_version_spawned(str(nvcc))
 
 
-def _nvcc_version_from_files(nvcc: Path) -> str | None:
+def _nvcc_version_from_files(nvcc: Path, _hops: int = 1) -> str | None:
     if nvcc.parent.name != "bin":
         return None
     try:
         with open(nvcc, "rb") as f:
-            if f.read(4) != b"\x7fELF":
-                return None  # a wrapper script: the toolkit beside it may not be the one it runs
+            head = f.read(4096)
     except OSError:
         return None
+    if head[:4] != b"\x7fELF":
+        # a wrapper script: only ``exec /abs/path/bin/nvcc "$@"`` is followed (it is certain
+        # which binary runs); anything else is asked by spawning it
+        target = _EXEC_WRAPPER.search(head.decode("utf-8", "replace")) if head[:2] == b"#!" else None
+        if target is None or _hops <= 0:
+            return None
+        return _nvcc_version_from_files(Path(target.group(1)), _hops - 1)
     root = nvcc.parent.parent
     for read in (_version_json, _toolkit_dist_info, _nvcc_wheel):
         version = read(root, nvcc)

@@ -209,6 +209,21 @@ def test_nvcc_reported_by_spawning_when_no_version_file(env, tmp_path):
     assert (t.nvcc_version, t.cuda_driver_min) == ("12.9.41", "12.9")
 
 
+def test_exec_wrapper_is_followed_to_the_toolkit_it_runs(env, tmp_path):
+    """``exec /abs/bin/nvcc "$@"`` wrappers (e.g. /usr/local/bin/nvcc) read the target's
+    version file instead of spawning; a wrapper doing anything else is spawned."""
+    script = tmp_path / "wrapper" / "bin" / "nvcc"
+    script.parent.mkdir(parents=True)
+    script.write_text(f'#!/bin/sh\n# generated\nexec {env.nvcc} "$@"\n')
+    script.chmod(0o755)
+    assert tc._nvcc_version_from_files(script) == "12.8.93"
+    assert env.collect(nvcc=script).nvcc_version == "12.8.93"
+    env.set_nvcc_version("12.9.41")
+    assert env.collect(nvcc=script).nvcc_version == "12.9.41"
+    script.write_text(f'#!/bin/sh\nexport X=1\nexec {env.nvcc} "$@"\n')  # more than an exec
+    assert tc._nvcc_version_from_files(script) is None
+
+
 # --- unreadable inputs mark the toolchain incomplete ----------------------------------------
 
 def _broken_nvcc(e: FakeEnv) -> None:
