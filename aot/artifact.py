@@ -14,13 +14,16 @@ The ``format`` field tags the stage; each format carries exactly its own record.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dsa_aot.cutedsl_backend import CuteExportRecord
 from dsa_aot.launch import LaunchRecord
 from dsa_aot.specs.models import KernelSpec
+
+if TYPE_CHECKING:
+    from dsa_aot.specs.toolchain import Toolchain
 
 
 class CubinStage(BaseModel):
@@ -69,6 +72,15 @@ class ArtifactManifest(BaseModel):
         default_factory=dict,
         description="feature-probed code paths the stages were compiled with, e.g. "
         "{'cute_math_isfinite': True}; the toolchain fingerprint keys the compilers that decide them")
+    toolchain: dict[str, Any] | None = Field(
+        None, description="the builder's Toolchain (JSON) whose fingerprint keys this entry; a "
+        "process without a CUDA toolkit recognises the builder's key by it (see dsa_aot.loader)")
+
+    def stamped(self, toolchain: Toolchain) -> ArtifactManifest:
+        """This manifest with the builder's ``toolchain`` recorded (it must be the keyed one)."""
+        if toolchain.fingerprint != self.fingerprint:
+            raise ValueError(f"toolchain {toolchain.fingerprint} is not the manifest's {self.fingerprint}")
+        return self.model_copy(update={"toolchain": toolchain.model_dump(mode="json")})
 
     @model_validator(mode="after")
     def _unique_stage_files(self) -> ArtifactManifest:

@@ -37,10 +37,16 @@ def _store(args):
     return ArtifactStore(args.cache_dir or cfg.cache_dir, lock_timeout_s=cfg.lock_timeout_s)
 
 
-def _fingerprint() -> str:
+def _fingerprint(store=None) -> str:
+    """This toolchain's key; for ``store``, the key its entries are looked up under (the
+    builder's, in a process without a CUDA toolkit: see :func:`dsa_aot.loader.builder_fingerprint`)."""
     from dsa_aot.specs.toolchain import Toolchain
 
-    return Toolchain.current().fingerprint
+    if store is None:
+        return Toolchain.current().fingerprint
+    from dsa_aot.loader import builder_fingerprint
+
+    return builder_fingerprint(store, Toolchain.current())
 
 
 def cmd_prebuild(args) -> int:
@@ -70,18 +76,18 @@ def _states(args) -> dict[str, str]:
     from dsa_aot import registry
     from dsa_aot.specs.catalog import load_catalog, select
 
-    fp = _fingerprint()
     cfg = _settings.get()
     from dsa_aot.cache.store import ArtifactStore
 
     stores = [ArtifactStore(r, read_only=True) for r in cfg.prebuilt_dirs] + [_store(args)]
+    fps = [_fingerprint(s) for s in stores]
     quarantine = [p.name for s in stores if (s.root / ".quarantine").is_dir() for p in (s.root / ".quarantine").iterdir()]
     states = {}
     for spec in select(load_catalog(args.catalog).specs(registry.implemented()), archs=_archs(args.arch),
                        only=args.only):
-        if any(s.lookup(fp, spec.arch, spec.id) is not None for s in stores):
+        if any(s.lookup(fp, spec.arch, spec.id) is not None for s, fp in zip(stores, fps)):
             states[spec.id] = "cached"
-        elif any(f"{fp}.{spec.arch}.{spec.id}." in q for q in quarantine):
+        elif any(f"{fp}.{spec.arch}.{spec.id}." in q for fp in fps for q in quarantine):
             states[spec.id] = "failed"
         else:
             states[spec.id] = "missing"
@@ -119,7 +125,7 @@ def cmd_verify(args) -> int:
 
 def cmd_gc(args) -> int:
     store = _store(args)
-    keep = None if args.all else _fingerprint()
+    keep = None if args.all else _fingerprint(store)
     report = store.gc(keep, args.max_bytes if args.max_bytes is not None else _settings.get().cache_max_bytes)
     print(f"removed {len(report.removed_fingerprints)} other toolchains, {len(report.removed_entries)} LRU entries; "
           f"freed {report.freed_bytes / 2**20:.1f} MiB, {report.remaining_bytes / 2**20:.1f} MiB remain")
@@ -129,7 +135,8 @@ def cmd_gc(args) -> int:
 def cmd_export(args) -> int:
     from dsa_aot.cache.bundle import export_bundle
 
-    keys = export_bundle(_store(args), Path(args.file), fingerprint=None if args.all_toolchains else _fingerprint(),
+    store = _store(args)
+    keys = export_bundle(store, Path(args.file), fingerprint=None if args.all_toolchains else _fingerprint(store),
                          archs=_archs(args.arch))
     print(f"exported {len(keys)} entries to {args.file}")
     return 0
@@ -144,7 +151,7 @@ def cmd_import(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from dsa_aot.cache.store import shared_writable_reason
+    from dsa_aot.cache.store import ArtifactStore, shared_writable_reason
     from dsa_aot.loader import get_loader
     from dsa_aot.prebuild import default_archs, detect_gpu_archs
     from dsa_aot.specs.toolchain import Toolchain
@@ -155,7 +162,8 @@ def cmd_doctor(args) -> int:
               "gpu_archs": detect_gpu_archs(), "prebuild_archs": default_archs(),
               "settings": {k: str(v) for k, v in vars(cfg).items()},
               "cache_roots": [{"root": str(r), "read_only": r != cfg.cache_dir, "exists": Path(r).is_dir(),
-                               "unsafe": shared_writable_reason(Path(r))}
+                               "unsafe": shared_writable_reason(Path(r)),
+                               "looked_up_under": _fingerprint(ArtifactStore(r, read_only=True))}
                               for r in (*cfg.prebuilt_dirs, cfg.cache_dir)]}
     if args.probes:
         report["features"] = get_loader().features().model_dump(mode="json")

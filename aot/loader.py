@@ -18,6 +18,7 @@ import logging
 import threading
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dsa_aot import settings as _settings
@@ -68,6 +69,7 @@ class Loader:
         self._features = None
         self._stores: list[ArtifactStore] | None = None
         self._ranking: dict[str, list[str]] | None = None
+        self._store_fps: dict[Path, str] = {}
 
     # -- environment -----------------------------------------------------------------------
     def toolchain(self):
@@ -79,6 +81,16 @@ class Loader:
 
     def fingerprint(self) -> str:
         return self.toolchain().fingerprint
+
+    def fingerprint_in(self, store: ArtifactStore) -> str:
+        """The key to look up in ``store`` (see :func:`builder_fingerprint`), once per root."""
+        fp = self._store_fps.get(store.root)
+        if fp is None:
+            fp = self._store_fps[store.root] = builder_fingerprint(store, self.toolchain())
+            if fp != self.fingerprint():
+                self._once(f"no CUDA toolkit here; using the artifacts in {store.root} keyed "
+                           f"{fp} by the builder whose toolchain matches this one otherwise")
+        return fp
 
     def stores(self) -> list[ArtifactStore]:
         """Read-only prebuilt roots first, then the writable cache root."""
@@ -130,6 +142,7 @@ class Loader:
         """Forget everything derived from settings and the environment."""
         with self._lock:
             self._toolchain = self._features = self._stores = self._ranking = None
+            self._store_fps = {}
 
     def _once(self, message: str, level: int = logging.INFO) -> None:
         if message not in self._logged:
@@ -149,7 +162,7 @@ class Loader:
                        logging.WARNING)
             return None
         for store in self.stores():
-            entry = store.lookup(toolchain.fingerprint, spec.arch, spec.id)
+            entry = store.lookup(self.fingerprint_in(store), spec.arch, spec.id)
             if entry is None:
                 continue
             kernel = self._load_entry(store, entry, device_index)
@@ -205,7 +218,7 @@ class Loader:
             built = backend.build(spec, fingerprint)
             try:
                 entry = store.publish(fingerprint, spec.arch, spec.id, built.files,
-                                      built.manifest.model_dump(mode="json"))
+                                      built.manifest.stamped(self.toolchain()).model_dump(mode="json"))
             except (OSError, CacheError) as exc:
                 self._once(f"could not store {spec.id} in {store.root}: {exc}; using it from memory",
                            logging.WARNING)
@@ -266,6 +279,51 @@ class Loader:
         except Exception as exc:
             return f"feature probes failed: {exc}"
         return backend.unsupported_reason(spec, features)
+
+
+_NVCC_FIELDS = {"nvcc_version": None, "cuda_driver_min": None}
+
+
+def builder_fingerprint(store: ArtifactStore, toolchain: Any) -> str:
+    """The fingerprint whose entries ``store`` should serve to a process with ``toolchain``.
+
+    Normally ``toolchain.fingerprint``. A runtime image often has no CUDA toolkit (cubins need
+    only the driver), so its toolchain cannot know which nvcc built the artifacts and its key
+    differs from the builder's. Then, and only then (``nvcc_version`` is None), the builder's
+    key is used: the first fingerprint folder (sorted) whose entries record a toolchain equal to
+    this one in every field but the nvcc version. Anything else differing (the compiler
+    packages, our kernel sources) still misses.
+    """
+    if toolchain.nvcc_version is not None:
+        return toolchain.fingerprint
+    try:
+        folders = sorted(p for p in store.root.iterdir() if not p.name.startswith(".") and p.is_dir())
+    except OSError:
+        return toolchain.fingerprint
+    mine = toolchain.model_copy(update=_NVCC_FIELDS)
+    for folder in folders:
+        recorded = _recorded_toolchain(store, folder)
+        if (recorded is not None and recorded.fingerprint == folder.name
+                and recorded.model_copy(update=_NVCC_FIELDS) == mine):
+            return folder.name
+    return toolchain.fingerprint
+
+
+def _recorded_toolchain(store: ArtifactStore, folder: Path) -> Any | None:
+    """The builder's toolchain recorded by the first readable entry under ``folder``."""
+    from dsa_aot.specs.toolchain import Toolchain
+
+    try:
+        arch_dirs = sorted(p for p in folder.iterdir() if p.is_dir())
+        for arch_dir in arch_dirs:
+            for spec_dir in sorted(p for p in arch_dir.iterdir() if p.is_dir()):
+                entry = store.lookup(folder.name, arch_dir.name, spec_dir.name)
+                recorded = entry.meta.payload.get("toolchain") if entry is not None else None
+                if isinstance(recorded, dict):
+                    return Toolchain.model_validate(recorded)
+    except (OSError, CacheError, ValueError):
+        return None
+    return None
 
 
 _LOADER: Loader | None = None

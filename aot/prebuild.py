@@ -93,7 +93,8 @@ def build_one(spec_json: str, root: str, fingerprint: str, lock_timeout_s: float
 
     spec = KernelSpec.model_validate_json(spec_json)
     start = time.perf_counter()
-    here = Toolchain.current().fingerprint
+    toolchain = Toolchain.current()
+    here = toolchain.fingerprint
     if here != fingerprint:
         return Outcome(spec.id, "failed", 0.0, f"worker toolchain {here} differs from parent {fingerprint}")
     store = ArtifactStore(root, lock_timeout_s=lock_timeout_s)
@@ -102,7 +103,8 @@ def build_one(spec_json: str, root: str, fingerprint: str, lock_timeout_s: float
             if store.lookup(fingerprint, spec.arch, spec.id) is not None:
                 return Outcome(spec.id, "cached", time.perf_counter() - start)
             built = BACKENDS[spec.backend].build(spec, fingerprint)
-            store.publish(fingerprint, spec.arch, spec.id, built.files, built.manifest.model_dump(mode="json"))
+            store.publish(fingerprint, spec.arch, spec.id, built.files,
+                          built.manifest.stamped(toolchain).model_dump(mode="json"))
     except BuildError as exc:
         return Outcome(spec.id, "failed", time.perf_counter() - start, str(exc))
     except Exception as exc:

@@ -9,10 +9,12 @@ import sys
 from pathlib import Path
 
 
-def cli(*args: str, root: Path, check: bool = True) -> subprocess.CompletedProcess:
-    """``python -m dsa_aot.cli ARGS`` with ``root`` as the only cache root."""
-    env = dict(os.environ, DSA_AOT_CACHE_DIR=str(root), TILELANG_PRINT_ON_COMPILATION="0")
-    env.pop("DSA_AOT_PREBUILT_DIR", None)
+def cli(*args: str, root: Path, check: bool = True,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m dsa_aot.cli ARGS`` with ``root`` as the only cache root (plus ``env``)."""
+    base = dict(os.environ)
+    base.pop("DSA_AOT_PREBUILT_DIR", None)
+    env = dict(base, DSA_AOT_CACHE_DIR=str(root), TILELANG_PRINT_ON_COMPILATION="0", **(env or {}))
     proc = subprocess.run([sys.executable, "-m", "dsa_aot.cli", *args], env=env, capture_output=True,
                           text=True, timeout=1800)
     if check and proc.returncode != 0:

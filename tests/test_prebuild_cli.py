@@ -97,6 +97,22 @@ def test_gc_removes_other_toolchains(built, tmp_path):
     assert sum(v == "cached" for v in json.loads(cli("status", "--json", root=root).stdout).values()) == len(SMALL)
 
 
+def test_runtime_image_without_cuda_toolkit_serves_the_prebuilt_root(built, tmp_path):
+    """The container recipe: artifacts imported into a read-only root, a runtime with no nvcc."""
+    image = tmp_path / "image-layer"
+    cli("export", str(tmp_path / "k.tar"), root=built)
+    cli("import", str(tmp_path / "k.tar"), root=image)
+    no_toolkit = {"CUDA_HOME": str(tmp_path / "no-cuda"), "DSA_AOT_PREBUILT_DIR": str(image)}
+    doctor = json.loads(cli("doctor", root=tmp_path / "rw", env=no_toolkit).stdout)
+    assert doctor["toolchain"]["nvcc_version"] is None
+    assert doctor["fingerprint"] != Toolchain.current().fingerprint
+    assert doctor["cache_roots"][0]["looked_up_under"] == Toolchain.current().fingerprint
+    states = json.loads(cli("status", "--json", root=tmp_path / "rw", env=no_toolkit).stdout)
+    assert {k for k, v in states.items() if v == "cached"} == set(SMALL)
+    entry = ArtifactStore(image).lookup(Toolchain.current().fingerprint, "sm_90a", SMALL[0])
+    assert ArtifactManifest.model_validate(entry.meta.payload).toolchain == Toolchain.current().model_dump(mode="json")
+
+
 def test_bad_arguments_exit_nonzero(tmp_path):
     proc = cli("prebuild", "--arch", "sm_80", root=tmp_path, check=False)
     assert proc.returncode != 0 and "sm_80" in (proc.stdout + proc.stderr)
