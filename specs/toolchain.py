@@ -376,14 +376,75 @@ def nvcc_version(nvcc: Path, *, spawn: bool = False) -> tuple[str | None, str | 
 
     For a real nvcc binary at ``<root>/bin/nvcc``: ``<root>/version.json`` (NVIDIA's
     installers), else the ``nvidia-cuda-nvcc`` wheel metadata that installed it. Otherwise,
-    or with ``spawn``, runs ``nvcc --version`` (once per process and path). Returns
-    ``(version, None)`` or ``(None, error text)``.
+    or with ``spawn``, runs ``nvcc --version`` (once per process and path), and remembers the
+    answer for this exact binary in ``<cache dir>/.nvcc-versions.json`` so later processes skip
+    the spawn. Returns ``(version, None)`` or ``(None, error text)``.
     """
-    if not spawn:
-        version = _nvcc_version_from_files(nvcc)
-        if version is not None:
-            return version, None
-    return _nvcc_version_spawned(str(nvcc))
+    if spawn:
+        return _nvcc_version_spawned(str(nvcc))
+    version = _nvcc_version_from_files(nvcc)
+    if version is not None:
+        return version, None
+    identity = _binary_identity(nvcc)
+    memo = _nvcc_memo_path()
+    remembered = _read_nvcc_memo(memo).get(identity) if identity and memo else None
+    if isinstance(remembered, str) and _VERSION.match(remembered):
+        return remembered, None
+    version, error = _nvcc_version_spawned(str(nvcc))
+    if version is not None and identity and memo:
+        _write_nvcc_memo(memo, identity, version)
+    return version, error
+
+
+#: Answers of spawned ``nvcc --version`` runs kept between processes (a toolkit without version
+#: files would otherwise cost a spawn, ~15 ms, in every process that computes the key).
+NVCC_MEMO = ".nvcc-versions.json"
+_NVCC_MEMO_MAX = 32
+
+
+def _binary_identity(path: Path) -> str | None:
+    """Which file ``path`` is: real path, device, inode, size, mtime and ctime (ns).
+
+    Replacing or rewriting the binary changes the inode or ctime (which no user can set back),
+    so a remembered answer is never reused for a different nvcc; the same test decides when a
+    compiler cache may trust a compiler unchanged.
+    """
+    try:
+        real = os.path.realpath(path)
+        st = os.stat(real)
+    except OSError:
+        return None
+    return f"{real}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+
+
+def _nvcc_memo_path() -> Path | None:
+    try:
+        from dsa_aot import settings
+
+        return settings.get().cache_dir / NVCC_MEMO
+    except Exception:  # settings unreadable: no memo, spawn as before
+        return None
+
+
+def _read_nvcc_memo(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_nvcc_memo(path: Path, identity: str, version: str) -> None:
+    """Add one answer (atomically: a temporary file renamed over the memo); best effort."""
+    data = {k: v for k, v in _read_nvcc_memo(path).items() if k != identity}
+    data = dict(list(data.items())[-(_NVCC_MEMO_MAX - 1):]) | {identity: version}
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data, indent=0))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def _nvcc_version_from_files(nvcc: Path, _hops: int = 1) -> str | None:

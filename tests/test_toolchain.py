@@ -209,6 +209,40 @@ def test_nvcc_reported_by_spawning_when_no_version_file(env, tmp_path):
     assert (t.nvcc_version, t.cuda_driver_min) == ("12.9.41", "12.9")
 
 
+def test_spawned_answer_is_remembered_for_that_binary_only(tmp_path, monkeypatch):
+    """A toolkit without version files: the first process spawns nvcc, later ones read the memo;
+    a rewritten nvcc (new ctime/size) is asked again."""
+    from dsa_aot import settings
+
+    monkeypatch.setenv("DSA_AOT_CACHE_DIR", str(tmp_path / "cache"))
+    settings.reload()
+    runs = tmp_path / "runs"
+    nvcc = tmp_path / "tk" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+
+    def install(release: str) -> None:
+        nvcc.write_text(f"#!/bin/sh\necho run >> {runs}\n"
+                        f"echo 'Cuda compilation tools, release {release[:4]}, V{release}'\n")
+        nvcc.chmod(0o755)
+
+    def ask() -> str | None:
+        tc._nvcc_version_spawned.cache_clear()  # as a fresh process would
+        return tc.nvcc_version(nvcc)[0]
+
+    try:
+        install("12.9.41")
+        assert [ask(), ask(), ask()] == ["12.9.41"] * 3
+        assert runs.read_text().count("run") == 1
+        memo = json.loads((tmp_path / "cache" / tc.NVCC_MEMO).read_text())
+        assert list(memo.values()) == ["12.9.41"]
+        install("13.0.88")  # an upgrade in place
+        assert ask() == "13.0.88" and runs.read_text().count("run") == 2
+        assert tc.nvcc_version(nvcc, spawn=True)[0] == "13.0.88" and runs.read_text().count("run") == 2
+    finally:
+        monkeypatch.undo()
+        settings.reload()
+
+
 def test_exec_wrapper_is_followed_to_the_toolkit_it_runs(env, tmp_path):
     """``exec /abs/bin/nvcc "$@"`` wrappers (e.g. /usr/local/bin/nvcc) read the target's
     version file instead of spawning; a wrapper doing anything else is spawned."""
