@@ -161,14 +161,15 @@ def first_error_line(exc: BaseException) -> str:
 
 # ---------------------------------------------------------------------------------------
 class CuteDslBackend(KernelBackend):
-    """Backward as a hybrid: CuTe DSL pre/post-processing around the TileLang main kernel.
+    """CuTe DSL kernels: the sparse MLA forward, and the backward as a hybrid of CuTe DSL
+    pre/post-processing around the TileLang main kernel.
 
     The CuTe DSL stages are exported and linked with the ``static_cudart`` link mode, so each is
     a self-contained shared library (about 1 MiB) that needs neither ``cutlass`` nor the DSL's
-    runtime library where it runs; the main stage is the TileLang cubin. Building spawns one
-    CuTe DSL worker per call (:func:`~dsa_aot.cutedsl_backend.build_cutedsl`) with
-    ``CUTE_DSL_ARCH`` set before ``cutlass`` is imported, so a JIT build in a user's process is
-    as correct as one in a ``prebuild`` worker; the TileLang stage compiles meanwhile.
+    runtime library where it runs; TileLang stages are cubins. Building spawns one CuTe DSL
+    worker per call (:func:`~dsa_aot.cutedsl_backend.build_cutedsl`) with ``CUTE_DSL_ARCH`` set
+    before ``cutlass`` is imported, so a JIT build in a user's process is as correct as one in a
+    ``prebuild`` worker; TileLang stages compile meanwhile.
     """
 
     name = "cutedsl"
@@ -199,9 +200,14 @@ class CuteDslBackend(KernelBackend):
             why = getattr(features, "errors", {}).get("cutlass_dsl_importable", "")
             why = (why.strip().splitlines() or [""])[-1][:200]
             return "the CuTe DSL is not importable" + (f" ({why})" if why else "")
+        if not self._uses_tilelang(spec.op):
+            return None  # the CuTe DSL brings its own compiler: nvcc is not involved
         if not getattr(features, "tilelang_importable", True):
             return "tilelang (the bwd main kernel) is not importable"
         return _nvcc_reason(spec, features)
+
+    def _uses_tilelang(self, op: str) -> bool:
+        return any(st.kind == "tilelang" for st in registry.stages(self.name, op))
 
     def build(self, spec: KernelSpec, fingerprint: str, *, use_isfinite: bool | None = None) -> Built:
         """Compile ``spec``. ``use_isfinite`` forces the preprocess finiteness test; None lets the
@@ -212,7 +218,9 @@ class CuteDslBackend(KernelBackend):
         start = time.perf_counter()
         plan = registry.stages(self.name, spec.op)
         cute_defs = [st for st in plan if st.kind == "cutedsl"]
-        requests = [BuildRequest(kernel=st.name, arch=spec.arch, use_isfinite=use_isfinite, link=self.link)
+        shape = {"d_qk": spec.d_qk, "heads": spec.heads, "layout": spec.layout}
+        requests = [BuildRequest(kernel=st.name, arch=spec.arch, link=self.link,
+                                 **(shape if st.name == "fwd" else {"use_isfinite": use_isfinite}))
                     for st in cute_defs]
         files: dict[str, bytes] = {}
         built: dict[str, CubinStage | CuteDslStage] = {}
@@ -257,10 +265,8 @@ class CuteDslBackend(KernelBackend):
         the libraries on ``device_index``: a CUDA problem surfaces here, as a miss."""
         from dsa_aot.cutedsl_runtime import CuteRuntimeError
         from dsa_aot.launch import CubinKernel, CudaError
-        from dsa_aot.runners import StagedBwd
+        from dsa_aot.runners import CuteFwd, StagedBwd
 
-        if manifest.spec.op != "bwd":
-            raise BuildError(f"{manifest.spec.id}: the cutedsl backend runs bwd only")
         kernels: dict[str, Any] = {}
         try:
             for st in manifest.stages:  # ctypes only, no CUDA call
@@ -274,6 +280,8 @@ class CuteDslBackend(KernelBackend):
                     kernels[st.name].prepare(device_index)
         except CuteRuntimeError as exc:  # the loader treats CUDA load failures as a miss
             raise CudaError(f"{manifest.spec.id}: {exc}") from exc
+        if manifest.spec.op == "fwd":
+            return CuteFwd(kernels["fwd"], manifest.spec)
         return StagedBwd(kernels["bwd_preprocess"], kernels["bwd_main"], kernels["bwd_postprocess"],
                          manifest.spec)
 

@@ -19,6 +19,13 @@ Link modes:
   self-contained ``.so`` of about 1 MiB; it needs a driver new enough for that toolkit's
   CUDA runtime (recorded as ``cudart_version``).
 
+Kernels: ``bwd_preprocess`` and ``bwd_postprocess`` (no compile-time parameters besides the
+arch) and ``fwd``, the sparse MLA forward (:mod:`dsa_aot.kernels.cutedsl_fwd`), specialised on
+``d_qk``, ``heads`` and ``layout`` (plus the MMA flavour ``impl`` and ``kv_stages``, defaulted
+per arch) and taking the run-time scalar ``softmax_scale`` (float32, passed by value). Forward
+artifacts are named ``cutedsl_fwd_<arch>_d<d_qk>_h<heads>_<layout>[_<impl>][_kv<n>][_static]``,
+the optional parts present only where they differ from the defaults.
+
 Records are JSON; this module imports only the standard library and pydantic.
 """
 
@@ -37,12 +44,19 @@ import uuid
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dsa_aot.cache.store import sha256_file
 
 Arch = Literal["sm_90a", "sm_100a"]
-CuteKernel = Literal["bwd_preprocess", "bwd_postprocess"]
+CuteKernel = Literal["bwd_preprocess", "bwd_postprocess", "fwd"]
+FwdLayout = Literal["compact", "noncompact"]
+FwdImpl = Literal["mma", "wgmma", "wgmma_pipe"]
+#: The forward's MMA flavour per arch when a request names none (wgmma needs sm_90a).
+FWD_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma_pipe", "sm_100a": "mma"}
+#: Gathered KV tiles in flight per flavour when a request names none (measured on the H200:
+#: mma 241 vs 208 TFLOPS with one vs two, wgmma 376 vs 353 with two vs one).
+FWD_DEFAULT_KV_STAGES: dict[str, int] = {"mma": 1, "wgmma": 2, "wgmma_pipe": 2}
 LinkMode = Literal["dsl_runtime", "static_cudart"]
 CType = Literal["int32", "int64"]
 
@@ -101,7 +115,17 @@ class StreamArgRecord(BaseModel):
     name: str
 
 
-ArgRecord = Annotated[Union[TensorArgRecord, StreamArgRecord], Field(discriminator="kind")]
+class ScalarArgRecord(BaseModel):
+    """A scalar passed by value (``&value`` in the packed argument array)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kind: Literal["scalar"] = "scalar"
+    name: str
+    dtype: Literal["float32"]
+
+
+ArgRecord = Annotated[Union[TensorArgRecord, StreamArgRecord, ScalarArgRecord],
+                      Field(discriminator="kind")]
 
 
 class RuntimeLibRecord(BaseModel):
@@ -149,13 +173,24 @@ class CuteExportRecord(BaseModel):
     cudart_version: int | None = Field(None, description="static CUDA runtime linked in, if any")
     use_isfinite: bool | None = Field(None, description="finiteness via cute.math.isfinite "
                                       "(True) or +-inf compares (False); None if not used")
+    d_qk: int | None = Field(None, description="fwd: query/key head dim (512 or 576)")
+    heads: int | None = Field(None, description="fwd: number of query heads")
+    layout: FwdLayout | None = Field(None, description="fwd: topk_length given (compact) or not")
+    kv_stages: int | None = Field(None, description="fwd: gathered KV tiles in flight (1 or 2)")
+    impl: FwdImpl | None = Field(None, description="fwd: mma.sync (any arch), wgmma or "
+                                 "wgmma_pipe (sm_90a)")
     dsl_version: str
     library_sha256: str
     build_seconds: float = Field(description="compile + export in the worker, then link")
 
 
 class BuildRequest(BaseModel):
-    """One artifact to build. ``use_isfinite=None`` follows the DSL feature probe."""
+    """One artifact to build. ``use_isfinite=None`` follows the DSL feature probe.
+
+    ``fwd`` needs ``d_qk``, ``heads`` and ``layout`` (``impl`` defaults to
+    :data:`FWD_DEFAULT_IMPL` of the arch, ``kv_stages`` to :data:`FWD_DEFAULT_KV_STAGES` of the
+    impl); the other kernels take none of them.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     kernel: CuteKernel
@@ -164,6 +199,38 @@ class BuildRequest(BaseModel):
     link: LinkMode = "dsl_runtime"
     name: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
                              description="artifact (and C prefix) name; derived when None")
+    d_qk: Literal[512, 576] | None = None
+    heads: Literal[16, 32, 64, 128] | None = None
+    layout: FwdLayout | None = None
+    kv_stages: Literal[1, 2] | None = None
+    impl: FwdImpl | None = None
+
+    @model_validator(mode="after")
+    def _fwd_params(self) -> "BuildRequest":
+        fwd = (self.d_qk, self.heads, self.layout)
+        if self.kernel == "fwd":
+            if None in fwd:
+                raise ValueError("kernel=fwd needs d_qk, heads and layout, got "
+                                 f"d_qk={self.d_qk}, heads={self.heads}, layout={self.layout}")
+            if self.use_isfinite is not None:
+                raise ValueError("use_isfinite applies to bwd_preprocess only")
+            if self.impl in ("wgmma", "wgmma_pipe") and self.arch != "sm_90a":
+                raise ValueError(f"impl={self.impl} needs sm_90a, not {self.arch}; use impl=mma")
+            if self.impl == "wgmma_pipe" and self.kv_stages == 1:
+                raise ValueError("impl=wgmma_pipe needs kv_stages=2")
+        elif fwd != (None, None, None) or self.kv_stages is not None or self.impl is not None:
+            raise ValueError(f"d_qk/heads/layout/kv_stages/impl apply to kernel=fwd only, not "
+                             f"{self.kernel}")
+        return self
+
+    @property
+    def fwd_params(self) -> dict[str, object] | None:
+        """The forward's compile-time parameters with defaults filled in (None for others)."""
+        if self.kernel != "fwd":
+            return None
+        impl = self.impl or FWD_DEFAULT_IMPL[self.arch]
+        return {"d_qk": self.d_qk, "heads": self.heads, "layout": self.layout,
+                "kv_stages": self.kv_stages or FWD_DEFAULT_KV_STAGES[impl], "impl": impl}
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,10 +274,15 @@ def _dim_record(entry: object) -> dict[str, object]:
 def _describe_args(fakes: dict[str, object]) -> list[dict[str, object]]:
     import cuda.bindings.driver as cuda
 
+    from cutlass import Float32
+
     args: list[dict[str, object]] = []
     for name, fake in fakes.items():
         if isinstance(fake, cuda.CUstream):
             args.append({"kind": "stream", "name": name})
+            continue
+        if isinstance(fake, Float32):
+            args.append({"kind": "scalar", "name": name, "dtype": "float32"})
             continue
         dtype = _DTYPES.get(fake.element_type.__name__)
         if dtype is None:
@@ -230,7 +302,14 @@ def _worker_compile(job: dict[str, object], arch: str) -> dict[str, object]:
 
     start = time.perf_counter()
     use_isfinite = job["use_isfinite"]
-    if job["kernel"] == "bwd_preprocess":
+    fwd = job.get("fwd")
+    if job["kernel"] == "fwd":
+        from dsa_aot.kernels import cutedsl_fwd
+
+        use_isfinite = None
+        compiled, fakes = cutedsl_fwd.compile_fwd(arch, fwd["d_qk"], fwd["heads"], fwd["layout"],
+                                                  fwd["kv_stages"], fwd["impl"])
+    elif job["kernel"] == "bwd_preprocess":
         if use_isfinite is None:
             use_isfinite = cutedsl_bwd_preprocess.probe_cute_isfinite()
         compiled, fakes = cutedsl_bwd_preprocess.compile_bwd_preprocess(arch, use_isfinite)
@@ -238,7 +317,7 @@ def _worker_compile(job: dict[str, object], arch: str) -> dict[str, object]:
         use_isfinite = None
         compiled, fakes = cutedsl_bwd_postprocess.compile_bwd_postprocess(arch)
     compiled_at = time.perf_counter()
-    name = job["name"] or _default_name(job["kernel"], arch, job["link"], use_isfinite)
+    name = job["name"] or _default_name(job["kernel"], arch, job["link"], use_isfinite, fwd)
     compiled.export_to_c(job["dir"], name, name)
     return {"name": name, "use_isfinite": use_isfinite, "args": _describe_args(fakes),
             "compile_seconds": compiled_at - start,
@@ -281,8 +360,8 @@ _RE_FIELD = re.compile(r"(int32_t|int64_t) dynamic_(shapes|strides)\[(\d+)\];")
 _RE_PACKED = re.compile(r"void \*args\[(\d+)\] = \{(?P<body>[^}]*)\};")
 
 
-def _check_header(header: str, prefix: str, args: list[TensorArgRecord | StreamArgRecord]
-                  ) -> CuteSymbols:
+def _check_header(header: str, prefix: str,
+                  args: list[TensorArgRecord | StreamArgRecord | ScalarArgRecord]) -> CuteSymbols:
     """Parse the generated header and require the C ABI the runtime loader implements."""
     found = {k: r.search(header) for k, r in (("init", _RE_INIT), ("load_to_device", _RE_LOAD),
                                               ("entry", _RE_ENTRY))}
@@ -367,8 +446,33 @@ def _link(obj: Path, lib: Path, mode: LinkMode, libdir: Path) -> int | None:
     return cudart
 
 
-def _default_name(kernel: str, arch: str, link: str, use_isfinite: bool | None) -> str:
+_RE_SCALAR = re.compile(r"\b(float|double|int32_t|int64_t) (\w+)\b")
+_C_SCALAR = {"float32": "float"}
+
+
+def _check_scalar_params(header: str, prefix: str, args: list[object]) -> None:
+    """Scalars must be declared with the C type the loader packs (the wrapper's parameters)."""
+    wrapper = re.search(r"cute_dsl_\w+_wrapper\((?P<params>[^)]*)\)", header)
+    if wrapper is None:
+        raise CuteBuildError(f"{prefix}.h: no wrapper function found")
+    declared = {name: ctype for ctype, name in _RE_SCALAR.findall(wrapper["params"])}
+    for arg in args:
+        if getattr(arg, "kind", None) == "scalar":
+            want = _C_SCALAR[arg.dtype]
+            if declared.get(arg.name) != want:
+                raise CuteBuildError(f"{prefix}.h declares scalar {arg.name} as "
+                                     f"{declared.get(arg.name)!r}, the loader packs {want}")
+
+
+def _default_name(kernel: str, arch: str, link: str, use_isfinite: bool | None,
+                  fwd: dict[str, object] | None = None) -> str:
     name = f"cutedsl_{kernel}_{arch}"
+    if kernel == "fwd" and fwd is not None:
+        name += f"_d{fwd['d_qk']}_h{fwd['heads']}_{fwd['layout']}"
+        if fwd["impl"] != FWD_DEFAULT_IMPL[arch]:
+            name += f"_{fwd['impl']}"
+        if fwd["kv_stages"] != FWD_DEFAULT_KV_STAGES[str(fwd["impl"])]:
+            name += f"_kv{fwd['kv_stages']}"
     if kernel == "bwd_preprocess":
         name += "_isfinite" if use_isfinite else "_infcmp"
     if link == "static_cudart":
@@ -396,6 +500,8 @@ def build_cutedsl(requests: list[BuildRequest], out_dir: str | os.PathLike[str],
             stage.mkdir()
             job = {"kernel": req.kernel, "use_isfinite": req.use_isfinite, "name": req.name,
                    "link": req.link, "dir": str(stage)}
+            if req.kernel == "fwd":
+                job["fwd"] = req.fwd_params
             plan.setdefault(req.arch, []).append((req, job))
         started = time.perf_counter()
         procs = {arch: _spawn_worker(arch, [j for _, j in items], scratch, python)
@@ -445,10 +551,11 @@ def _finish(req: BuildRequest, job: dict[str, object], result: dict[str, object]
     name = str(result["name"])
     stage = Path(str(job["dir"]))
     start = time.perf_counter()
-    arg_models = [StreamArgRecord(**a) if a["kind"] == "stream" else TensorArgRecord(**a)
-                  for a in result["args"]]
+    kinds = {"stream": StreamArgRecord, "tensor": TensorArgRecord, "scalar": ScalarArgRecord}
+    arg_models = [kinds[a["kind"]](**a) for a in result["args"]]
     header = (stage / f"{name}.h").read_text()
     symbols = _check_header(header, name, arg_models)
+    _check_scalar_params(header, name, arg_models)
     obj = stage / f"{name}.o"
     if symbols.entry.encode() not in obj.read_bytes():
         raise CuteBuildError(f"{obj.name} does not define {symbols.entry}")
@@ -464,7 +571,10 @@ def _finish(req: BuildRequest, job: dict[str, object], result: dict[str, object]
         name=name, kernel=req.kernel, arch=req.arch, prefix=name, library=lib.name,
         object_file=obj.name, header=f"{name}.h", symbols=symbols, args=tuple(arg_models),
         link=req.link, runtime_libs=runtime_libs, cudart_version=cudart,
-        use_isfinite=result["use_isfinite"], dsl_version=str(reply["dsl_version"]),
+        use_isfinite=result["use_isfinite"], d_qk=req.d_qk, heads=req.heads, layout=req.layout,
+        kv_stages=req.fwd_params["kv_stages"] if req.kernel == "fwd" else None,
+        impl=req.fwd_params["impl"] if req.kernel == "fwd" else None,
+        dsl_version=str(reply["dsl_version"]),
         library_sha256=sha256_file(lib),
         build_seconds=round(float(result["compile_seconds"]) + float(result["export_seconds"])
                             + time.perf_counter() - start, 3))
@@ -492,16 +602,29 @@ def main(argv: list[str] | None = None) -> int:
     build = sub.add_parser("build", help="build, export and link kernels")
     build.add_argument("out_dir")
     build.add_argument("--arch", action="append", choices=["sm_90a", "sm_100a"])
-    build.add_argument("--kernel", action="append", choices=["bwd_preprocess", "bwd_postprocess"])
+    build.add_argument("--kernel", action="append", choices=["bwd_preprocess", "bwd_postprocess",
+                                                             "fwd"])
+    build.add_argument("--d-qk", type=int, action="append", choices=[512, 576],
+                       help="fwd: head dims to build (default both)")
+    build.add_argument("--heads", type=int, action="append", choices=[16, 32, 64, 128],
+                       help="fwd: head counts to build (default all)")
+    build.add_argument("--layout", action="append", choices=["compact", "noncompact"],
+                       help="fwd: layouts to build (default both)")
+    build.add_argument("--impl", choices=["mma", "wgmma", "wgmma_pipe"],
+                       help="fwd: MMA flavour (default: wgmma_pipe on sm_90a, mma on sm_100a)")
+    build.add_argument("--kv-stages", type=int, choices=[1, 2],
+                       help="fwd: gathered KV tiles in flight (default: 1 for mma, else 2)")
     build.add_argument("--link", default="dsl_runtime", choices=["dsl_runtime", "static_cudart"])
     build.add_argument("--use-isfinite", choices=["auto", "yes", "no"], default="auto")
     args = parser.parse_args(argv)
     if args.cmd == "worker":
         return _worker_main(args.request)
     flag = {"auto": None, "yes": True, "no": False}[args.use_isfinite]
-    reqs = [BuildRequest(kernel=k, arch=a, link=args.link, use_isfinite=flag)
-            for a in (args.arch or ["sm_90a", "sm_100a"])
-            for k in (args.kernel or ["bwd_preprocess", "bwd_postprocess"])]
+    try:
+        reqs = _cli_requests(args, flag)
+    except ValueError as exc:  # pydantic's ValidationError is one
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         for rec in build_cutedsl(reqs, args.out_dir):
             print(f"{rec.name}: {rec.library} ({rec.build_seconds:.2f} s)")
@@ -509,6 +632,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _cli_requests(args: argparse.Namespace, flag: bool | None) -> list[BuildRequest]:
+    reqs = []
+    for a in args.arch or ["sm_90a", "sm_100a"]:
+        for k in args.kernel or ["bwd_preprocess", "bwd_postprocess"]:
+            if k != "fwd":
+                reqs.append(BuildRequest(kernel=k, arch=a, link=args.link, use_isfinite=flag))
+                continue
+            reqs += [BuildRequest(kernel="fwd", arch=a, link=args.link, d_qk=d, heads=h,
+                                  layout=lay, impl=args.impl, kv_stages=args.kv_stages)
+                     for d in args.d_qk or [512, 576] for h in args.heads or [16, 32, 64, 128]
+                     for lay in args.layout or ["compact", "noncompact"]]
+    return reqs
 
 
 if __name__ == "__main__":

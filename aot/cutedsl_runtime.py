@@ -19,6 +19,7 @@ that exact runtime.
 from __future__ import annotations
 
 import ctypes
+import numbers
 import os
 import struct
 import sys
@@ -31,6 +32,7 @@ from dsa_aot.cutedsl_backend import (
     RECORD_FILE,
     CuteExportRecord,
     RuntimeLibRecord,
+    ScalarArgRecord,
     StreamArgRecord,
     TensorArgRecord,
 )
@@ -49,6 +51,8 @@ _CUDA_ERRORS = {1: "cudaErrorInvalidValue", 2: "cudaErrorMemoryAllocation",
                 400: "cudaErrorInvalidResourceHandle", 500: "cudaErrorSymbolNotFound",
                 700: "cudaErrorIllegalAddress", 9: "cudaErrorInvalidConfiguration"}
 _CTYPES = {"int32": ctypes.c_int32, "int64": ctypes.c_int64}
+#: ctypes and ``struct`` codes of the scalar argument kinds a record may hold.
+_SCALAR_CTYPES = {"float32": (ctypes.c_float, "f")}
 _LIMITS = {"int32": 2**31 - 1, "int64": 2**63 - 1}
 
 
@@ -131,15 +135,22 @@ def descriptor_type(arg: TensorArgRecord) -> type[ctypes.Structure]:
 class CallFrame:
     """Byte layout of one call's arguments, packed with one ``struct.pack_into``.
 
-    The frame is a C struct of every argument's value (tensor descriptors, ``cudaStream_t``)
-    plus the ``int32`` result, laid out by ``ctypes``; the ``void *args[]`` array the entry takes
-    follows it, pointing at each value and at the result.
+    The frame is a C struct of every argument's value (tensor descriptors, scalars by value,
+    ``cudaStream_t``) plus the ``int32`` result, laid out by ``ctypes``; the ``void *args[]``
+    array the entry takes follows it, pointing at each value and at the result.
     """
 
-    def __init__(self, args: tuple[TensorArgRecord | StreamArgRecord, ...]) -> None:
+    def __init__(self, args: tuple[TensorArgRecord | StreamArgRecord | ScalarArgRecord, ...]
+                 ) -> None:
+        def ctype_of(a: TensorArgRecord | StreamArgRecord | ScalarArgRecord) -> Any:
+            if a.kind == "tensor":
+                return descriptor_type(a)
+            if a.kind == "scalar":
+                return _SCALAR_CTYPES[a.dtype][0]
+            return ctypes.c_void_p
+
         fields: list[tuple[str, Any]] = [
-            (f"a{i}", descriptor_type(a) if a.kind == "tensor" else ctypes.c_void_p)
-            for i, a in enumerate(args)] + [("ret", ctypes.c_int32)]
+            (f"a{i}", ctype_of(a)) for i, a in enumerate(args)] + [("ret", ctypes.c_int32)]
         frame = type("Frame", (ctypes.Structure,), {"_fields_": fields})
         self.frame_type = frame
         self.offsets = [getattr(frame, name).offset for name, _ in fields]
@@ -149,6 +160,8 @@ class CallFrame:
                 scalars.append((offset, "Q"))
             elif ctype is ctypes.c_int32:
                 scalars.append((offset, "i"))
+            elif ctype is ctypes.c_float:
+                scalars.append((offset, "f"))
             else:
                 for fname, ftype in ctype._fields_:
                     base = offset + getattr(ctype, fname).offset
@@ -240,14 +253,16 @@ class CuteDslKernel:
         self._entry.argtypes, self._entry.restype = [ctypes.c_void_p, ctypes.c_int32], None
         self._plans = [_TensorPlan(a) for a in record.args if a.kind == "tensor"]
         self._names = [p.name for p in self._plans]
-        self._stream_scalars: list[int] = []  # where each stream goes among the frame's scalars
+        self._scalar_names = [a.name for a in record.args if a.kind == "scalar"]
+        # where each stream / scalar value goes among the frame's values, in record order
+        self._inserts: list[tuple[int, str | None]] = []
         count = 0
         for a in record.args:
-            if a.kind == "stream":
-                self._stream_scalars.append(count)
-                count += 1
-            else:
+            if a.kind == "tensor":
                 count += 1 + len(a.dynamic_shape_dims) + len(a.dynamic_stride_dims)
+            else:
+                self._inserts.append((count, a.name if a.kind == "scalar" else None))
+                count += 1
         self.frame = CallFrame(record.args)
         self._library = ctypes.c_void_p()  # cudaLibrary_t, written by init
         self._library_ptr = ctypes.c_void_p(ctypes.addressof(self._library))
@@ -258,6 +273,11 @@ class CuteDslKernel:
     @property
     def tensor_names(self) -> list[str]:
         return list(self._names)
+
+    @property
+    def scalar_names(self) -> list[str]:
+        """Run-time scalar arguments (e.g. ``softmax_scale``), passed by keyword."""
+        return list(self._scalar_names)
 
     def prepare(self, device_index: int) -> None:
         """Load the embedded cubin (once) and prepare ``device_index`` (once per device)."""
@@ -284,22 +304,39 @@ class CuteDslKernel:
                 self._devices.add(device_index)
 
     def __call__(self, *args: torch.Tensor, stream: int | None = None,
-                 **kwargs: torch.Tensor) -> None:
-        """Launch with tensors in record order (positional) or by name; ``stream`` is a
-        ``cudaStream_t`` as an int (default: torch's current stream on the tensors' device)."""
+                 **kwargs: Any) -> None:
+        """Launch with tensors in record order (positional) or by name, and every run-time
+        scalar by name (``softmax_scale=...``); ``stream`` is a ``cudaStream_t`` as an int
+        (default: torch's current stream on the tensors' device)."""
+        values = self.scalar_values({k: kwargs.pop(k) for k in list(kwargs)
+                                     if k in self._scalar_names})
         device, scalars = self.marshal(self._bind(args, kwargs))
         self.prepare(device)
         if stream is None:
             import torch
 
             stream = torch.cuda.current_stream(device).cuda_stream
-        for index in self._stream_scalars:
-            scalars.insert(index, stream)
+        for index, name in self._inserts:  # ascending positions, so earlier inserts count
+            scalars.insert(index, stream if name is None else values[name])
         buf, argv = self.frame.pack(scalars)
         self._entry(argv, len(self.frame.offsets))
         ret = self.frame.result(buf)
         if ret:
             raise CuteRuntimeError(f"{self.record.name}: launch failed with {_cuda_error(ret)}")
+
+    def scalar_values(self, given: dict[str, Any]) -> dict[str, float]:
+        """Check that every scalar argument is given exactly once and is a real number."""
+        missing = [n for n in self._scalar_names if n not in given]
+        if missing:
+            raise TypeError(f"{self.record.name}: missing scalar arguments {missing} "
+                            "(pass them by keyword)")
+        values: dict[str, float] = {}
+        for name, value in given.items():
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{self.record.name}: scalar {name} must be a real number, "
+                                f"got {type(value).__name__}")
+            values[name] = float(value)
+        return values
 
     def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         names = self._names

@@ -44,6 +44,9 @@ STAGES: dict[tuple[str, str], tuple[StageDef, ...]] = {
         _TILELANG_BWD_MAIN,
         StageDef("bwd_postprocess", "dsa_aot.kernels.tilelang_bwd_postprocess", "build_bwd_postprocess"),
     ),
+    ("cutedsl", "fwd"): (
+        StageDef("fwd", "dsa_aot.kernels.cutedsl_fwd", "compile_fwd", kind="cutedsl"),
+    ),
     # Hybrid: CuTe DSL pre/post-processing around the TileLang main kernel.
     ("cutedsl", "bwd"): (
         StageDef("bwd_preprocess", "dsa_aot.kernels.cutedsl_bwd_preprocess", "compile_bwd_preprocess",

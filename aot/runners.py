@@ -60,6 +60,26 @@ class CubinFwd(FwdKernel):
         return out, lse
 
 
+class CuteFwd(FwdKernel):
+    """The forward as one exported CuTe DSL kernel (tensors by name, ``softmax_scale`` by value)."""
+
+    def __init__(self, kernel: CuteDslKernel, spec: KernelSpec) -> None:
+        self.kernel = kernel
+        self.spec = spec
+        self._names = kernel.tensor_names
+
+    def __call__(self, q, kv, topk_idxs, topk_length, attn_sink, softmax_scale):
+        s_q, heads, _ = q.shape
+        dev = q.device
+        out = torch.empty((s_q, heads, D_V), dtype=torch.bfloat16, device=dev)
+        lse = torch.empty((s_q, heads), dtype=torch.float32, device=dev)
+        tensors = {"q": q, "kv": kv, "topk_idxs": topk_idxs, "topk_length": topk_length,
+                   "attn_sink": attn_sink, "out": out, "lse": lse}
+        self.kernel(*[tensors[n] for n in self._names], stream=current_stream(dev),
+                    softmax_scale=softmax_scale)
+        return out, lse
+
+
 #: A loaded backward stage: a cubin (pointer/scalar arguments by name) or an exported CuTe
 #: DSL kernel (tensors by name, stream as keyword).
 BwdStage = CubinKernel | CuteDslKernel
@@ -76,7 +96,8 @@ class StagedBwd(BwdKernel):
     def __init__(self, pre: BwdStage, main: BwdStage, post: BwdStage, spec: KernelSpec) -> None:
         self.pre, self.main, self.post = pre, main, post
         self.spec = spec
-        self._stages = [(k, None if isinstance(k, CubinKernel) else k.tensor_names) for k in (pre, main, post)]
+        self._stages = [(k, None if isinstance(k, CubinKernel) else (k.tensor_names, k.scalar_names))
+                        for k in (pre, main, post)]
 
     def __call__(self, q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, softmax_scale):
         s_q, heads, d_qk = q.shape
@@ -98,7 +119,7 @@ class StagedBwd(BwdKernel):
             if names is None:
                 kernel.launch(stream, args)
             else:
-                kernel(*[tensors[n] for n in names], stream=stream)
+                kernel(*[tensors[n] for n in names[0]], stream=stream, **{n: args[n] for n in names[1]})
         return dq, dkv, d_sink
 
 

@@ -69,11 +69,12 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("bench/results/h200.json"))
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--fwd-backends", nargs="+", default=["tilelang", "cutedsl"])
+    ap.add_argument("--ops", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
     args = ap.parse_args()
     env = environment()
     records = []
     peer = peer_bwd()
-    for s_q, s_kv, h, d, k in FWD_SHAPES:
+    for s_q, s_kv, h, d, k in FWD_SHAPES if "fwd" in args.ops else []:
         x = make_inputs(s_q, s_kv, h, d, k)
         for backend in args.fwd_backends:
             with settings.scope(backends=(backend,)):  # that backend or its fallback, never another
@@ -98,7 +99,7 @@ def main() -> int:
                             "lse_max_abs_err": round(float((lse[:REF_ROWS] - ref_lse).abs().max()), 5),
                             "peer": None, "peer_ms": None, "ratio": None, "date": env["date"]})
             print(f"fwd  {backend:9s} h{h} d{d} k{k}: {ms:.3f} ms {tf:.0f} TFLOPS", flush=True)
-    for s_q, s_kv, h, d, k in BWD_SHAPES:
+    for s_q, s_kv, h, d, k in BWD_SHAPES if "bwd" in args.ops else []:
         x = make_inputs(s_q, s_kv, h, d, k)
         out, lse = dsa_aot.sparse_mla_fwd(x["q"], x["kv"], x["topk_idxs"], attn_sink=x["attn_sink"])
 
@@ -125,7 +126,7 @@ def main() -> int:
               f"ours/peer speed {rec['ratio']}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(records, indent=1) + "\n")
-    cmd = "python bench/bench_sparse_mla.py --out bench/results/h200.json"
+    cmd = "python bench/bench_sparse_mla.py " + " ".join(sys.argv[1:])
     lines = [f"# Sparse MLA on {env['gpu']}", "",
              f"Command: `{cmd}`  ", f"Date: {env['date']}  ",
              "Toolchain: " + ", ".join(f"{k} {v}" for k, v in env.items() if k not in ("gpu", "date")), "",

@@ -150,6 +150,45 @@ def test_library_must_match_its_record(built: dict) -> None:
         BACKENDS["cutedsl"].load(lying, files.__getitem__, 0)
 
 
+FWD_SPECS = {"sm_90a": "fwd-sm_90a-d576-h64-compact-cutedsl",
+             "sm_100a": "fwd-sm_100a-d512-h16-noncompact-cutedsl"}
+
+
+@pytest.fixture(scope="module")
+def built_fwd(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """The CuTe DSL forward of both archs, built by the backend and published."""
+    if _CANNOT_BUILD is not None:
+        pytest.skip(f"cannot build: {_CANNOT_BUILD}")
+    fp = _fingerprint()
+    store = ArtifactStore(tmp_path_factory.mktemp("cutedsl-fwd-store"))
+    for spec_id in FWD_SPECS.values():
+        spec = KernelSpec.from_id(spec_id)
+        built = BACKENDS["cutedsl"].build(spec, fp)
+        store.publish(fp, spec.arch, spec_id, built.files, built.manifest.model_dump(mode="json"))
+    return {"store": store, "fp": fp}
+
+
+@needs_build
+@pytest.mark.parametrize("arch", sorted(FWD_SPECS))
+def test_forward_manifest(built_fwd: dict, arch: str) -> None:
+    store: ArtifactStore = built_fwd["store"]
+    entry = store.lookup(built_fwd["fp"], arch, FWD_SPECS[arch])
+    assert entry is not None and store.verify(entry) == []
+    manifest = ArtifactManifest.model_validate(entry.meta.payload)
+    spec = manifest.spec
+    assert [(s.name, s.format) for s in manifest.stages] == [("fwd", "cutedsl_so")]
+    assert sorted(entry.meta.files) == ["fwd.so"]
+    rec = manifest.stage("fwd").cute
+    assert (rec.kernel, rec.arch, rec.d_qk, rec.heads, rec.layout) == ("fwd", arch, spec.d_qk, spec.heads, spec.layout)
+    assert rec.impl == ("wgmma_pipe" if arch == "sm_90a" else "mma") and rec.link == "static_cudart"
+    tensors = [a.name for a in rec.args if a.kind == "tensor"]
+    assert tensors == ["q", "kv", "topk_idxs", *(["topk_length"] if spec.layout == "compact" else []),
+                       "attn_sink", "out", "lse"]
+    assert [(a.name, a.dtype) for a in rec.args if a.kind == "scalar"] == [("softmax_scale", "float32")]
+    data = store.read_file(entry, "fwd.so")
+    assert data[:4] == b"\x7fELF" and not _needed(data) and hashlib.sha256(data).hexdigest() == rec.library_sha256
+
+
 def _features(**change: object) -> Features:
     base = dict(archs=("sm_100a", "sm_90a"), tilelang_importable=True, cutlass_dsl_importable=True,
                 cute_math_isfinite=True, tilelang_bool_fragment_ok={"sm_90a": True, "sm_100a": False},
@@ -160,11 +199,13 @@ def _features(**change: object) -> Features:
 def test_unsupported_reasons() -> None:
     backend = BACKENDS["cutedsl"]
     spec = KernelSpec.from_id("bwd-sm_100a-d512-h16-compact-cutedsl")
-    assert backend.implements("bwd") and not backend.implements("fwd")
+    assert backend.implements("bwd") and backend.implements("fwd")
     assert backend.unsupported_reason(spec, _features()) is None
     assert backend.unsupported_reason(spec, None) is None
-    fwd = KernelSpec(op="fwd", arch="sm_90a", d_qk=576, heads=64, layout="compact", backend="cutedsl")
-    assert backend.unsupported_reason(fwd, _features()) == "cutedsl has no fwd kernel"
+    fwd = KernelSpec(op="fwd", arch="sm_100a", d_qk=576, heads=64, layout="compact", backend="cutedsl")
+    # the forward is CuTe DSL only: neither tilelang nor nvcc is involved
+    assert backend.unsupported_reason(fwd, _features(tilelang_importable=False,
+                                                     nvcc_archs={"sm_90a": True, "sm_100a": False})) is None
     missing = _features(cutlass_dsl_importable=False, cute_math_isfinite=None,
                         errors={"cutlass_dsl_importable": "ModuleNotFoundError: No module named 'cutlass'"})
     assert backend.unsupported_reason(spec, missing) == (
@@ -184,7 +225,7 @@ def test_backends_setting_overrides_the_ranking(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delenv("DSA_AOT_BACKENDS", raising=False)
     with settings.scope(backends=None):
         assert Loader().ranking("bwd") == ["tilelang", "cutedsl"]  # the catalog's
-        assert Loader().ranking("fwd") == ["tilelang"]
+        assert Loader().ranking("fwd") == ["tilelang", "cutedsl"]
     monkeypatch.setenv("DSA_AOT_BACKENDS", "cutedsl, tilelang")
     cfg = settings.Settings.from_env()
     assert cfg.backends == ("cutedsl", "tilelang")
@@ -226,7 +267,7 @@ def test_prebuild_then_cached(prebuilt: Path) -> None:
     proc = cli("prebuild", "-q", "--only", PREBUILT, root=prebuilt)
     assert (_count(proc.stdout, "cached"), _count(proc.stdout, "built")) == (1, 0), proc.stdout
     states = json.loads(cli("status", "--json", root=prebuilt).stdout)
-    assert states[PREBUILT] == "cached" and len(states) == 96
+    assert states[PREBUILT] == "cached" and len(states) == 128
 
 
 def test_prebuild_skips_when_the_dsl_is_probed_missing(tmp_path: Path) -> None:
@@ -318,6 +359,46 @@ def cutedsl_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     yield
     monkeypatch.undo()
     settings.reload()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d_qk,heads,layout", [(576, 64, "compact"), (512, 128, "noncompact"),
+                                               (576, 16, "noncompact")])
+def test_public_fwd_on_cutedsl_matches_reference(cutedsl_first, d_qk: int, heads: int, layout: str) -> None:
+    """The loader picks the CuTe DSL forward (prebuilt or JIT) and the public API matches the
+    reference, edge cases included, from NaN-poisoned memory."""
+    import dsa_aot
+    from dsa_aot.kernels.reference import sparse_mla_fwd_ref
+    from dsa_aot.loader import arch_of_capability, get_loader
+
+    arch = arch_of_capability(*torch.cuda.get_device_capability())
+    _, resolution = get_loader().resolve("fwd", arch, d_qk, heads, layout, torch.cuda.current_device())
+    assert resolution.spec.backend == "cutedsl" and resolution.source != "reference", resolution
+    sinks = [math.inf, -math.inf, 2.4e38, -2.4e38, 0.5, -1.0, 3.0, 0.0]
+    for s_q, s_kv, k in [(1, 95, 128), (62, 300, 333), (256, 4096, 2048)]:
+        g = torch.Generator(device="cuda").manual_seed(s_q + heads)
+        q = torch.randn((s_q, heads, d_qk), generator=g, device="cuda").bfloat16()
+        kv = torch.randn((s_kv, d_qk), generator=g, device="cuda").bfloat16()
+        idx = torch.randint(0, s_kv, (s_q, k), generator=g, device="cuda", dtype=torch.int32)
+        idx[torch.rand((s_q, k), generator=g, device="cuda") < 0.1] = -1
+        idx[:, -1] = s_kv                                          # out of range
+        idx[:, 0] = -2**31
+        if s_q > 4:
+            idx[2] = -1                                            # a row with no valid slot
+            q[3] *= -40.0 / d_qk ** 0.5                            # very negative scores
+        length = (torch.randint(-2, k + 3, (s_q,), generator=g, device="cuda", dtype=torch.int32)
+                  if layout == "compact" else None)
+        sink = torch.tensor([sinks[h % len(sinks)] for h in range(heads)], device="cuda")
+        poison = torch.full((s_q * heads * 1024,), math.nan, device="cuda")
+        del poison                                                 # outputs land on NaN-filled blocks
+        out, lse = dsa_aot.sparse_mla_fwd(q, kv, idx, topk_length=length, attn_sink=sink)
+        torch.cuda.synchronize()
+        ref_out, ref_lse = sparse_mla_fwd_ref(q, kv, idx, length, sink, compute_dtype=torch.float64)
+        assert _rel(out, ref_out) <= 1e-2
+        finite = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), finite) and finite.any()
+        assert float((lse[finite].double() - ref_lse[finite]).abs().max()) <= 1e-3
 
 
 @pytest.mark.gpu

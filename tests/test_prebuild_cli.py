@@ -54,7 +54,7 @@ def test_second_prebuild_is_all_cached(built):
 
 def test_list_and_status_json(built):
     listed = json.loads(cli("list", "--json", root=built).stdout)
-    assert len(listed) == 96  # fwd tilelang 32, bwd tilelang 32 + cutedsl 32
+    assert len(listed) == 128  # fwd and bwd, each tilelang 32 + cutedsl 32
     assert {"id", "op", "arch", "d_qk", "heads", "layout", "backend"} <= set(listed[0])
     states = json.loads(cli("status", "--json", root=built).stdout)
     assert {k for k, v in states.items() if v == "cached"} == set(SMALL)
