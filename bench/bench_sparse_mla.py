@@ -69,6 +69,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("bench/results/h200.json"))
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--fwd-backends", nargs="+", default=["tilelang", "cutedsl"])
+    ap.add_argument("--bwd-backends", nargs="+", default=["tilelang", "cutedsl"])
     ap.add_argument("--ops", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
     args = ap.parse_args()
     env = environment()
@@ -102,28 +103,39 @@ def main() -> int:
     for s_q, s_kv, h, d, k in BWD_SHAPES if "bwd" in args.ops else []:
         x = make_inputs(s_q, s_kv, h, d, k)
         out, lse = dsa_aot.sparse_mla_fwd(x["q"], x["kv"], x["topk_idxs"], attn_sink=x["attn_sink"])
-
-        def ours():
-            return dsa_aot.sparse_mla_bwd(x["q"], x["kv"], out, x["dout"], lse, x["topk_idxs"],
-                                          attn_sink=x["attn_sink"])
-
-        ms = time_cuda(ours, reps=args.reps)
-        tf = bwd_flops(s_q, h, k, d) / ms / 1e9
-        rec = {"op": "bwd", "backend": "dsa-aot/tilelang", "s_q": s_q, "s_kv": s_kv, "heads": h, "d_qk": d,
-               "topk": k, "ms": round(ms, 4), "tflops": round(tf, 1), "peer": None, "peer_ms": None,
-               "ratio": None, "date": env["date"]}
+        peer_ms, peer_res = None, None
         if peer is not None:
             def theirs():
                 return peer(x["q"], x["kv"], out, x["dout"], lse, x["attn_sink"], x["topk_idxs"])
-            res = theirs()  # JIT compile happens here
-            mine = ours()
-            agree = {n: rel(m, res[n]) for n, m in zip(("dq", "dkv", "d_sink"), mine)}
-            pms = time_cuda(theirs, reps=args.reps)
-            rec.update(peer="cudnn-frontend sparse_attention_backward_wrapper", peer_ms=round(pms, 4),
-                       ratio=round(pms / ms, 3), agreement_rel_err={k: round(v, 5) for k, v in agree.items()})
-        records.append(rec)
-        print(f"bwd  h{h} d{d} k{k}: {ms:.3f} ms {tf:.0f} TFLOPS  peer {rec['peer_ms']} ms  "
-              f"ours/peer speed {rec['ratio']}", flush=True)
+            peer_res = theirs()  # JIT compile happens here
+            peer_ms = time_cuda(theirs, reps=args.reps)
+        for backend in args.bwd_backends:
+            with settings.scope(backends=(backend,)):
+                def ours():
+                    return dsa_aot.sparse_mla_bwd(x["q"], x["kv"], out, x["dout"], lse, x["topk_idxs"],
+                                                  attn_sink=x["attn_sink"])
+                try:
+                    mine = ours()
+                except MissingPrebuiltError as exc:
+                    print(f"bwd  h{h} d{d} k{k}: {backend} skipped: {exc}", flush=True)
+                    continue
+                served = _served_by("bwd", h, d)
+                if served != backend:
+                    print(f"bwd  h{h} d{d} k{k}: {backend} not available (served by {served}); skipped",
+                          flush=True)
+                    continue
+                ms = time_cuda(ours, reps=args.reps)
+            tf = bwd_flops(s_q, h, k, d) / ms / 1e9
+            rec = {"op": "bwd", "backend": f"dsa-aot/{backend}", "s_q": s_q, "s_kv": s_kv, "heads": h,
+                   "d_qk": d, "topk": k, "ms": round(ms, 4), "tflops": round(tf, 1), "peer": None,
+                   "peer_ms": None, "ratio": None, "date": env["date"]}
+            if peer_ms is not None:
+                agree = {n: rel(m, peer_res[n]) for n, m in zip(("dq", "dkv", "d_sink"), mine)}
+                rec.update(peer="cudnn-frontend sparse_attention_backward_wrapper", peer_ms=round(peer_ms, 4),
+                           ratio=round(peer_ms / ms, 3), agreement_rel_err={n: round(v, 5) for n, v in agree.items()})
+            records.append(rec)
+            print(f"bwd  {backend:9s} h{h} d{d} k{k}: {ms:.3f} ms {tf:.0f} TFLOPS  peer {rec['peer_ms']} ms  "
+                  f"ours/peer speed {rec['ratio']}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(records, indent=1) + "\n")
     cmd = "python bench/bench_sparse_mla.py " + " ".join(sys.argv[1:])
