@@ -51,12 +51,13 @@ from dsa_aot.cache.store import sha256_file
 Arch = Literal["sm_90a", "sm_100a"]
 CuteKernel = Literal["bwd_preprocess", "bwd_postprocess", "fwd"]
 FwdLayout = Literal["compact", "noncompact"]
-FwdImpl = Literal["mma", "wgmma", "wgmma_pipe"]
+FwdImpl = Literal["mma", "wgmma", "wgmma_pipe", "wgmma_ws"]
 #: The forward's MMA flavour per arch when a request names none (wgmma needs sm_90a).
-FWD_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma_pipe", "sm_100a": "mma"}
+FWD_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma_ws", "sm_100a": "mma"}
 #: Gathered KV tiles in flight per flavour when a request names none (measured on the H200:
 #: mma 241 vs 208 TFLOPS with one vs two, wgmma 376 vs 353 with two vs one).
-FWD_DEFAULT_KV_STAGES: dict[str, int] = {"mma": 1, "wgmma": 2, "wgmma_pipe": 2}
+FWD_DEFAULT_KV_STAGES: dict[str, int] = {"mma": 1, "wgmma": 2, "wgmma_pipe": 2,
+                                         "wgmma_ws": 2}
 LinkMode = Literal["dsl_runtime", "static_cudart"]
 CType = Literal["int32", "int64"]
 
@@ -177,8 +178,8 @@ class CuteExportRecord(BaseModel):
     heads: int | None = Field(None, description="fwd: number of query heads")
     layout: FwdLayout | None = Field(None, description="fwd: topk_length given (compact) or not")
     kv_stages: int | None = Field(None, description="fwd: gathered KV tiles in flight (1 or 2)")
-    impl: FwdImpl | None = Field(None, description="fwd: mma.sync (any arch), wgmma or "
-                                 "wgmma_pipe (sm_90a)")
+    impl: FwdImpl | None = Field(None, description="fwd: mma.sync (any arch), wgmma, "
+                                 "wgmma_pipe or wgmma_ws (sm_90a)")
     dsl_version: str
     library_sha256: str
     build_seconds: float = Field(description="compile + export in the worker, then link")
@@ -214,10 +215,10 @@ class BuildRequest(BaseModel):
                                  f"d_qk={self.d_qk}, heads={self.heads}, layout={self.layout}")
             if self.use_isfinite is not None:
                 raise ValueError("use_isfinite applies to bwd_preprocess only")
-            if self.impl in ("wgmma", "wgmma_pipe") and self.arch != "sm_90a":
+            if self.impl in ("wgmma", "wgmma_pipe", "wgmma_ws") and self.arch != "sm_90a":
                 raise ValueError(f"impl={self.impl} needs sm_90a, not {self.arch}; use impl=mma")
-            if self.impl == "wgmma_pipe" and self.kv_stages == 1:
-                raise ValueError("impl=wgmma_pipe needs kv_stages=2")
+            if self.impl in ("wgmma_pipe", "wgmma_ws") and self.kv_stages == 1:
+                raise ValueError(f"impl={self.impl} needs kv_stages=2")
         elif fwd != (None, None, None) or self.kv_stages is not None or self.impl is not None:
             raise ValueError(f"d_qk/heads/layout/kv_stages/impl apply to kernel=fwd only, not "
                              f"{self.kernel}")
@@ -610,8 +611,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="fwd: head counts to build (default all)")
     build.add_argument("--layout", action="append", choices=["compact", "noncompact"],
                        help="fwd: layouts to build (default both)")
-    build.add_argument("--impl", choices=["mma", "wgmma", "wgmma_pipe"],
-                       help="fwd: MMA flavour (default: wgmma_pipe on sm_90a, mma on sm_100a)")
+    build.add_argument("--impl", choices=["mma", "wgmma", "wgmma_pipe", "wgmma_ws"],
+                       help="fwd: MMA flavour (default: wgmma_ws on sm_90a, mma on sm_100a)")
     build.add_argument("--kv-stages", type=int, choices=[1, 2],
                        help="fwd: gathered KV tiles in flight (default: 1 for mma, else 2)")
     build.add_argument("--link", default="dsl_runtime", choices=["dsl_runtime", "static_cudart"])

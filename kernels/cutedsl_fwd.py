@@ -28,9 +28,18 @@ CTAs per row):
 ``w`` owning head rows ``16 * (w % 4)`` and half of every 32 columns (``w // 4``); one KV buffer
 by default (two spill registers). ``wgmma`` (sm_90a): two warpgroups issue ``wgmma`` from shared
 memory, each computing 32 score columns and 256 output columns, with two KV buffers (block
-``b + 1`` is gathered while block ``b`` is computed). ``wgmma_pipe`` (the sm_90a default): as
+``b + 1`` is gathered while block ``b`` is computed). ``wgmma_pipe``: as
 ``wgmma``, but ``P V`` of block ``b`` stays in flight until the scores of block ``b + 1`` are
 waited for, and block ``b + 1`` is gathered right after the barrier that follows that wait.
+``wgmma_ws`` (the sm_90a default; 384 threads, warp-specialised): warpgroup 2 is the producer (``setmaxnreg``
+80): it gathers each block into a ring of two KV buffers with ``cp.async`` and signals ``full``
+through ``cp.async.mbarrier.arrive.noinc`` plus a plain arrive (after its validity flags);
+warpgroup 0 (``setmaxnreg`` 240) computes the whole 64 x 64 score tile, the online softmax, lse
+and the left half of ``O`` (value columns 0-255); warpgroup 1 rescales and accumulates the right
+half (256-511) from the same ``P``, handed over through shared memory with ``p_full`` /
+``p_free`` mbarriers. A buffer is returned to the producer (``empty``) once both halves' ``P V``
+have completed. No CTA-wide barrier inside the loop; a named barrier joins the two consumers for
+the epilogue.
 
 This module imports ``cutlass``: use it in a build process only.
 """
@@ -78,16 +87,31 @@ def check_params(d_qk: int, heads: int, layout: str) -> None:
         raise ValueError(f"layout={layout!r}: use one of {LAYOUTS}")
 
 
-IMPLS = ("mma", "wgmma", "wgmma_pipe")
+IMPLS = ("mma", "wgmma", "wgmma_pipe", "wgmma_ws")
+#: ``wgmma_ws``: threads per warpgroup, 3 warpgroups (softmax + left half of P V, right half
+#: of P V, gather producer), and the producer's KV rows per pass of its 16-byte copies.
+WG_THREADS = 128
+WS_THREADS = 3 * WG_THREADS
+WS_ROWS_PER_PASS = WG_THREADS // (64 // VEC)
+#: setmaxnreg budgets (<= 3 * 168 in all: the launch gives each thread 65536 / 384 -> 168).
+WS_SOFTMAX_REGS, WS_PRODUCER_REGS = 240, 80
+#: Named barrier joining the two consumer warpgroups before the epilogue (0 is __syncthreads).
+WS_EPILOGUE_BARRIER = 1
 
 
 class SparseMlaFwd:
     """The forward kernel for one ``(d_qk, heads, layout)``.
 
     ``impl``: ``"mma"`` (warp-level ``mma.sync``, any arch), ``"wgmma"`` (sm_90a warpgroup
-    MMA from shared memory) or ``"wgmma_pipe"`` (the same with ``P V`` left in flight across
-    the next block's barrier; two KV buffers); ``kv_stages``: gathered KV tiles in flight.
+    MMA from shared memory), ``"wgmma_pipe"`` (the same with ``P V`` left in flight across
+    the next block's barrier; two KV buffers) or ``"wgmma_ws"`` (warp-specialised producer /
+    consumers with mbarriers; two KV buffers); ``kv_stages``: gathered KV tiles in flight.
     """
+
+    #: ``wgmma_ws``: gathered KV rows per block and KV buffers in the ring (64 x 2 fills the
+    #: shared memory at D_qk 576; 32 x 4 and 32 x 3 are correct but slower on the H200).
+    ws_block_n: int = BLOCK_N
+    ws_stages: int = 2
 
     def __init__(self, d_qk: int, heads: int, layout: str, kv_stages: int = 2,
                  impl: str = "mma") -> None:
@@ -96,8 +120,8 @@ class SparseMlaFwd:
             raise ValueError(f"kv_stages={kv_stages!r}: use 1 or 2")
         if impl not in IMPLS:
             raise ValueError(f"impl={impl!r}: use one of {IMPLS}")
-        if impl == "wgmma_pipe" and kv_stages != 2:
-            raise ValueError("impl='wgmma_pipe' needs kv_stages=2")
+        if impl in ("wgmma_pipe", "wgmma_ws") and kv_stages != 2:
+            raise ValueError(f"impl={impl!r} needs kv_stages=2")
         self.d_qk = d_qk
         self.heads = heads
         self.compact = layout == "compact"
@@ -112,7 +136,10 @@ class SparseMlaFwd:
     def launch(self, q: cute.Tensor, kv: cute.Tensor, topk_idxs: cute.Tensor,
                topk_length: cute.Tensor, attn_sink: cute.Tensor, out: cute.Tensor,
                lse: cute.Tensor, softmax_scale: Float32, stream: cuda.CUstream) -> None:
-        if cutlass.const_expr(self.impl != "mma"):
+        if cutlass.const_expr(self.impl == "wgmma_ws"):
+            self.launch_ws(q, kv, topk_idxs, topk_length, attn_sink, out, lse, softmax_scale,
+                           stream)
+        elif cutlass.const_expr(self.impl != "mma"):
             self.launch_wgmma(q, kv, topk_idxs, topk_length, attn_sink, out, lse, softmax_scale,
                               stream)
         else:
@@ -750,6 +777,321 @@ class SparseMlaFwd:
         if cutlass.const_expr(not pipelined):
             warpgroup.wait_group(0)
 
+    # ---------------------------------------------------------------------------------------
+    # sm_90a: warp-specialised (producer warpgroup + two consumer warpgroups, mbarriers)
+    # ---------------------------------------------------------------------------------------
+
+    @cute.jit
+    def launch_ws(self, q: cute.Tensor, kv: cute.Tensor, topk_idxs: cute.Tensor,
+                  topk_length: cute.Tensor, attn_sink: cute.Tensor, out: cute.Tensor,
+                  lse: cute.Tensor, softmax_scale: Float32, stream: cuda.CUstream) -> None:
+        d = self.d_qk
+        bn = self.ws_block_n
+        stages = self.ws_stages
+        half = D_V // 2
+        k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+        mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128,
+                                                  BFloat16)
+        s_q_layout = cute.tile_to_shape(k_atom, (BLOCK_H, d), (0, 1))
+        s_kv_layout = cute.tile_to_shape(k_atom, (bn, d, stages), (0, 1, 2))
+        # V^T of one half of the value columns: (256 value columns, 64 KV rows) over the KV
+        # tile's bytes; the right half starts 256 * bn elements later (whole atoms).
+        v_tile = cute.tile_to_shape(mn_atom, (half, bn), (1, 0))
+        s_v_layout = cute.make_composed_layout(
+            v_tile.inner, 0, cute.make_layout(
+                (v_tile.outer.shape[0], v_tile.outer.shape[1], stages),
+                stride=(v_tile.outer.stride[0], v_tile.outer.stride[1], bn * d)))
+        p_atom = k_atom
+        if cutlass.const_expr(bn % 64 != 0):
+            p_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64,
+                                                     BFloat16)
+        s_p_layout = cute.tile_to_shape(p_atom, (BLOCK_H, bn), (0, 1))
+
+        @cute.struct
+        class SharedStorage:
+            s_q: cute.struct.Align[cute.struct.MemRange[BFloat16,
+                                                         cute.cosize(s_q_layout.outer)], 1024]
+            s_kv: cute.struct.Align[cute.struct.MemRange[
+                BFloat16, cute.cosize(s_kv_layout.outer)], 1024]
+            s_p: cute.struct.Align[cute.struct.MemRange[BFloat16,
+                                                         cute.cosize(s_p_layout.outer)], 1024]
+            s_alpha: cute.struct.Align[cute.struct.MemRange[Float32, BLOCK_H], 16]
+            s_fac: cute.struct.Align[cute.struct.MemRange[Float32, BLOCK_H], 16]
+            s_valid: cute.struct.Align[cute.struct.MemRange[Int32, bn * stages], 16]
+            # full[stages], empty[stages], p_full, p_free
+            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 2 * stages + 2], 8]
+
+        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                  BFloat16, num_bits_per_copy=128)
+        cols = 64 // VEC
+        # Q: the 256 consumer threads; KV: the 128 producer threads (16 rows per pass)
+        q_copy = cute.make_tiled_copy_tv(
+            g2s, cute.make_layout((THREADS // cols, cols), stride=(cols, 1)),
+            cute.make_layout((1, VEC)))
+        kv_copy = cute.make_tiled_copy_tv(
+            g2s, cute.make_layout((WG_THREADS // cols, cols), stride=(cols, 1)),
+            cute.make_layout((1, VEC)))
+        mma_s = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, (1, 1, 1), (BLOCK_H, bn))
+        mma_o = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, (1, 1, 1), (BLOCK_H, half))
+        s_q = cute.size(q, mode=[0])
+        if s_q > 0:
+            self.kernel_ws(q, kv, topk_idxs, topk_length, attn_sink, out, lse,
+                           softmax_scale * Float32(LOG2E), s_q_layout, s_kv_layout, s_v_layout,
+                           s_p_layout, q_copy, kv_copy, mma_s, mma_o, SharedStorage).launch(
+                grid=[s_q, (self.heads + BLOCK_H - 1) // BLOCK_H, 1],
+                block=[WS_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    @cute.kernel
+    def kernel_ws(self, m_q: cute.Tensor, m_kv: cute.Tensor, m_idx: cute.Tensor,
+                  m_len: cute.Tensor, m_sink: cute.Tensor, m_out: cute.Tensor,
+                  m_lse: cute.Tensor, scale_log2: Float32, s_q_layout: cute.ComposedLayout,
+                  s_kv_layout: cute.ComposedLayout, s_v_layout: cute.ComposedLayout,
+                  s_p_layout: cute.ComposedLayout, q_copy: cute.TiledCopy,
+                  kv_copy: cute.TiledCopy, mma_s: cute.TiledMma, mma_o: cute.TiledMma,
+                  SharedStorage: cutlass.Constexpr) -> None:
+        d = self.d_qk
+        heads = self.heads
+        bn = self.ws_block_n
+        stages = self.ws_stages
+        half = D_V // 2
+        mma_s.set(warpgroup.Field.ACCUMULATE, True)  # accumulators are zero-filled instead
+        mma_o.set(warpgroup.Field.ACCUMULATE, True)
+        tidx, _, _ = cute.arch.thread_idx()
+        t, hb, _ = cute.arch.block_idx()
+        wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
+        wtid = tidx % WG_THREADS
+        lane = cute.arch.lane_idx()
+        s_kv = cute.size(m_kv, mode=[0])
+        topk = cute.size(m_idx, mode=[1])
+        n_valid = topk
+        if cutlass.const_expr(self.compact):
+            n_valid = cutlass.max(cutlass.min(m_len[t], topk), Int32(0))
+        n_blocks = (n_valid + bn - 1) // bn
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        s_q = storage.s_q.get_tensor(s_q_layout.outer, swizzle=s_q_layout.inner)
+        s_p = storage.s_p.get_tensor(s_p_layout.outer, swizzle=s_p_layout.inner)
+        s_kv_all = storage.s_kv.get_tensor(s_kv_layout.outer, swizzle=s_kv_layout.inner)
+        s_alpha = storage.s_alpha.get_tensor(cute.make_layout(BLOCK_H))
+        s_fac = storage.s_fac.get_tensor(cute.make_layout(BLOCK_H))
+        s_valid_all = storage.s_valid.get_tensor(cute.make_layout(bn * stages))
+        mbar = storage.mbar.data_ptr()
+        full_bar = mbar
+        empty_bar = mbar + stages
+        p_full_bar = mbar + 2 * stages
+        p_free_bar = mbar + 2 * stages + 1
+
+        if tidx == 0:
+            for s in cutlass.range_constexpr(stages):
+                # 128 cp.async arrivals (noinc) + 128 plain arrivals of the producer
+                cute.arch.mbarrier_init(full_bar + s, 2 * WG_THREADS)
+                cute.arch.mbarrier_init(empty_bar + s, 2 * WG_THREADS)
+            cute.arch.mbarrier_init(p_full_bar, WG_THREADS)
+            cute.arch.mbarrier_init(p_free_bar, WG_THREADS)
+        cute.arch.mbarrier_init_fence()
+
+        if tidx < THREADS:
+            thr_q = q_copy.get_slice(tidx)
+            q_row = tidx // (64 // VEC)
+            t_g_q = thr_q.partition_S(cute.local_tile(m_q[t, None, None], (BLOCK_H, d), (hb, 0)))
+            t_s_q = thr_q.partition_D(s_q)
+            for m in cutlass.range_constexpr(cute.size(t_s_q, mode=[1])):
+                row = q_row + m * (THREADS // (64 // VEC))
+                if cutlass.const_expr(heads >= BLOCK_H):
+                    cute.copy(q_copy, t_g_q[None, m, None], t_s_q[None, m, None])
+                else:
+                    if row < heads:
+                        cute.copy(q_copy, t_g_q[None, m, None], t_s_q[None, m, None])
+                    else:
+                        t_s_q[None, m, None].fill(0)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.fence_view_async_shared()  # Q -> wgmma reads
+        cute.arch.barrier()
+
+        if wg == 2:
+            # ---- producer: gathered rows by cp.async, completion tracked by full[stage] ----
+            cute.arch.setmaxregister_decrease(WS_PRODUCER_REGS)
+            thr_kv = kv_copy.get_slice(wtid)
+            p_row = wtid // (64 // VEC)
+            t_g_kv = thr_kv.partition_S(cute.local_tile(m_kv, (bn, d), (0, 0)))
+            t_s_kv = thr_kv.partition_D(s_kv_all)  # (CPY, 4, D/64, stages)
+            row_stride = m_kv.stride[0]
+            for b in cutlass.range(n_blocks, unroll=1):
+                stage = b % stages
+                idx = self.load_idx_ws(b, t, m_idx, n_valid, p_row)  # in flight during the wait
+                cute.arch.mbarrier_wait(empty_bar + stage, ((b // stages) % 2) ^ 1)
+                for m in cutlass.range_constexpr(bn // WS_ROWS_PER_PASS):
+                    row = p_row + m * WS_ROWS_PER_PASS
+                    valid = (idx[m] >= 0) & (idx[m] < s_kv)
+                    if valid:
+                        src_t = t_g_kv[None, m, None]
+                        offset = cutlass.Int64(idx[m] - row) * row_stride
+                        src = cute.make_tensor(src_t.iterator + offset, src_t.layout)
+                        cute.copy(kv_copy, src, t_s_kv[None, m, None, stage])
+                    else:
+                        t_s_kv[None, m, None, stage].fill(0)
+                    if wtid % (64 // VEC) == 0:
+                        s_valid_all[stage * bn + row] = Int32(1) if valid else Int32(0)
+                cute.arch.cp_async_mbarrier_arrive_noinc(full_bar + stage)
+                cute.arch.mbarrier_arrive(full_bar + stage)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+        else:
+            s_v_all = cute.make_tensor(s_kv_all.iterator + wg * (half * bn),
+                                       s_v_layout.outer)
+            wg_o = mma_o.get_slice(0)
+            r_p = mma_o.make_fragment_A(wg_o.partition_A(s_p))          # (MMA, 1, 4)
+            r_v = mma_o.make_fragment_B(wg_o.partition_B(s_v_all))      # (MMA, 1, 4, stages)
+            thr_o = mma_o.get_slice(wtid)
+            acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((BLOCK_H, half)), Float32)
+            acc_o.fill(0.0)
+            c_o = thr_o.partition_C(cute.make_identity_tensor((BLOCK_H, half)))
+            c_o_mn = _mn_view_wg(c_o)
+            acc_o_mn = _mn_view_wg(acc_o)
+            rows = cute.size(c_o_mn, mode=[0])
+            if wg == 0:
+                # ---- scores (all 64 columns), online softmax, left half of P V, lse --------
+                cute.arch.setmaxregister_increase(WS_SOFTMAX_REGS)
+                wg_s = mma_s.get_slice(0)
+                r_q = mma_s.make_fragment_A(wg_s.partition_A(s_q))       # (MMA, 1, D/16)
+                r_k = mma_s.make_fragment_B(wg_s.partition_B(s_kv_all))  # (MMA, 1, D/16, st)
+                thr_s = mma_s.get_slice(wtid)
+                c_s_mn = _mn_view_wg(thr_s.partition_C(cute.make_identity_tensor((BLOCK_H,
+                                                                                  bn))))
+                row_max = cute.make_rmem_tensor(rows, Float32)
+                row_sum = cute.make_rmem_tensor(rows, Float32)
+                row_max.fill(M_FLOOR)
+                row_sum.fill(0.0)
+                store_p = cute.make_tiled_copy_C(
+                    cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16), mma_s)
+                thr_store_p = store_p.get_slice(wtid)
+                t_s_p = thr_store_p.partition_D(s_p)
+                for b in cutlass.range(n_blocks, unroll=1):
+                    stage = b % stages
+                    cute.arch.mbarrier_wait(full_bar + stage, (b // stages) % 2)
+                    cute.arch.fence_view_async_shared()  # gathered rows -> wgmma reads
+                    acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((BLOCK_H, bn)),
+                                                  Float32)
+                    acc_s.fill(0.0)
+                    warpgroup.fence()
+                    for k in cutlass.range_constexpr(d // 16):
+                        cute.gemm(mma_s, acc_s, r_q[None, None, k], r_k[None, None, k, stage],
+                                  acc_s)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    acc_s_mn = _mn_view_wg(acc_s)
+                    cols = cute.size(acc_s_mn, mode=[1])
+                    alpha = cute.make_rmem_tensor(rows, Float32)
+                    for r in cutlass.range_constexpr(rows):
+                        m_blk = Float32(-_INF)
+                        for j in cutlass.range_constexpr(cols):
+                            val = acc_s_mn[r, j] * scale_log2
+                            if s_valid_all[stage * bn + c_s_mn[r, j][1]] == 0:
+                                val = Float32(-_INF)
+                            acc_s_mn[r, j] = val
+                            m_blk = cute.arch.fmax(m_blk, val)
+                        m_blk = _quad_max(m_blk)
+                        m_old = row_max[r]
+                        m_new = cute.arch.fmax(m_old, m_blk)
+                        corr = cute.math.exp2(m_old - m_new, fastmath=True)
+                        psum = Float32(0.0)
+                        for j in cutlass.range_constexpr(cols):
+                            p = cute.math.exp2(acc_s_mn[r, j] - m_new, fastmath=True)
+                            acc_s_mn[r, j] = p
+                            psum = psum + p
+                        row_sum[r] = row_sum[r] * corr + psum
+                        row_max[r] = m_new
+                        alpha[r] = corr
+                        acc_o_mn[r, None] = acc_o_mn[r, None].load() * corr
+                    r_pc = cute.make_fragment_like(acc_s, BFloat16)
+                    r_pc.store(acc_s.load().to(BFloat16))
+                    if b > 0:  # the right half has consumed the previous P and alpha
+                        cute.arch.mbarrier_wait(p_free_bar, (b - 1) % 2)
+                    cute.copy(store_p, thr_store_p.retile(r_pc), t_s_p)
+                    if lane % 4 == 0:
+                        for r in cutlass.range_constexpr(rows):
+                            s_alpha[c_s_mn[r, 0][0]] = alpha[r]
+                    cute.arch.fence_view_async_shared()  # P stores -> wgmma reads
+                    cute.arch.mbarrier_arrive(p_full_bar)
+                    warpgroup.fence()
+                    for k in cutlass.range_constexpr(bn // 16):
+                        cute.gemm(mma_o, acc_o, r_p[None, None, k], r_v[None, None, k, stage],
+                                  acc_o)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    cute.arch.mbarrier_arrive(empty_bar + stage)
+                # lse and the per-row output factor (shared with the right half)
+                for r in cutlass.range_constexpr(rows):
+                    row = c_o_mn[r, 0][0]
+                    head = hb * BLOCK_H + row
+                    total = _quad_sum(row_sum[r])
+                    lse_val = Float32(_INF)
+                    factor = Float32(0.0)
+                    if total > Float32(0.0):
+                        lse_val = (row_max[r] + cute.math.log2(total, fastmath=False)) \
+                            * Float32(LN2)
+                        sink = Float32(-_INF)
+                        if head < heads:
+                            sink = m_sink[head]
+                        weight = Float32(1.0) / (Float32(1.0) + cute.math.exp2(
+                            (sink - lse_val) * Float32(LOG2E), fastmath=False))
+                        factor = weight / total
+                    if lane % 4 == 0:
+                        s_fac[row] = factor
+                        if head < heads:
+                            m_lse[t, head] = lse_val
+            else:
+                # ---- right half of P V, rescaled by the softmax's alpha --------------------
+                for b in cutlass.range(n_blocks, unroll=1):
+                    stage = b % stages
+                    cute.arch.mbarrier_wait(full_bar + stage, (b // stages) % 2)
+                    cute.arch.mbarrier_wait(p_full_bar, b % 2)
+                    cute.arch.fence_view_async_shared()
+                    for r in cutlass.range_constexpr(rows):
+                        acc_o_mn[r, None] = acc_o_mn[r, None].load() * s_alpha[c_o_mn[r, 0][0]]
+                    warpgroup.fence()
+                    for k in cutlass.range_constexpr(bn // 16):
+                        cute.gemm(mma_o, acc_o, r_p[None, None, k], r_v[None, None, k, stage],
+                                  acc_o)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    cute.arch.mbarrier_arrive(p_free_bar)
+                    cute.arch.mbarrier_arrive(empty_bar + stage)
+            # ---- epilogue: both halves scaled by the factor, stored as bf16 ----------------
+            cute.arch.barrier(barrier_id=WS_EPILOGUE_BARRIER, number_of_threads=THREADS)
+            for r in cutlass.range_constexpr(rows):
+                acc_o_mn[r, None] = acc_o_mn[r, None].load() * s_fac[c_o_mn[r, 0][0]]
+            g_out = cute.local_tile(m_out[t, None, None], (BLOCK_H, half), (hb, wg))
+            t_g = thr_o.partition_C(g_out)
+            r_o = cute.make_fragment_like(acc_o, BFloat16)
+            r_o.store(acc_o.load().to(BFloat16))
+            for i in cutlass.range_constexpr(cute.size(r_o)):
+                if cutlass.const_expr(heads >= BLOCK_H):
+                    t_g[i] = r_o[i]
+                else:
+                    if c_o[i][0] < heads:
+                        t_g[i] = r_o[i]
+
+    @cute.jit
+    def load_idx_ws(self, block: Int32, t: Int32, m_idx: cute.Tensor, n_valid: Int32,
+                    p_row: Int32) -> list:
+        """The producer thread's KV indices of block ``block``, one per pass (-1 past the end)."""
+        bn = self.ws_block_n
+        out = []
+        for m in cutlass.range_constexpr(bn // WS_ROWS_PER_PASS):
+            slot = block * bn + p_row + m * WS_ROWS_PER_PASS
+            idx = Int32(-1)
+            if slot < n_valid:
+                idx = m_idx[t, slot]
+            out.append(idx)
+        return out
+
 
 def _ldsm_a(tiled_mma: cute.TiledMma) -> cute.TiledCopy:
     return cute.make_tiled_copy_A(
@@ -859,7 +1201,7 @@ def fake_arguments(d_qk: int, heads: int, layout: str) -> dict[str, object]:
 
 def default_impl(arch: str) -> str:
     """The MMA flavour an arch gets by default (the wgmma flavours need sm_90a)."""
-    return "wgmma_pipe" if arch == "sm_90a" else "mma"
+    return "wgmma_ws" if arch == "sm_90a" else "mma"
 
 
 def default_kv_stages(impl: str) -> int:

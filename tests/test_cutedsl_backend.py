@@ -180,7 +180,7 @@ def test_forward_manifest(built_fwd: dict, arch: str) -> None:
     assert sorted(entry.meta.files) == ["fwd.so"]
     rec = manifest.stage("fwd").cute
     assert (rec.kernel, rec.arch, rec.d_qk, rec.heads, rec.layout) == ("fwd", arch, spec.d_qk, spec.heads, spec.layout)
-    assert rec.impl == ("wgmma_pipe" if arch == "sm_90a" else "mma") and rec.link == "static_cudart"
+    assert rec.impl == ("wgmma_ws" if arch == "sm_90a" else "mma") and rec.link == "static_cudart"
     tensors = [a.name for a in rec.args if a.kind == "tensor"]
     assert tensors == ["q", "kv", "topk_idxs", *(["topk_length"] if spec.layout == "compact" else []),
                        "attn_sink", "out", "lse"]
@@ -225,7 +225,7 @@ def test_backends_setting_overrides_the_ranking(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delenv("DSA_AOT_BACKENDS", raising=False)
     with settings.scope(backends=None):
         assert Loader().ranking("bwd") == ["tilelang", "cutedsl"]  # the catalog's
-        assert Loader().ranking("fwd") == ["tilelang", "cutedsl"]
+        assert Loader().ranking("fwd") == ["cutedsl", "tilelang"]
     monkeypatch.setenv("DSA_AOT_BACKENDS", "cutedsl, tilelang")
     cfg = settings.Settings.from_env()
     assert cfg.backends == ("cutedsl", "tilelang")

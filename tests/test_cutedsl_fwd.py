@@ -195,6 +195,12 @@ def test_build_request_validation() -> None:
     with pytest.raises(ValidationError, match="impl=wgmma needs sm_90a, not sm_100a"):
         BuildRequest(kernel="fwd", arch="sm_100a", d_qk=576, heads=64, layout="compact",
                      impl="wgmma")
+    with pytest.raises(ValidationError, match="impl=wgmma_ws needs sm_90a, not sm_100a"):
+        BuildRequest(kernel="fwd", arch="sm_100a", d_qk=576, heads=64, layout="compact",
+                     impl="wgmma_ws")
+    with pytest.raises(ValidationError, match="impl=wgmma_ws needs kv_stages=2"):
+        BuildRequest(kernel="fwd", arch="sm_90a", d_qk=576, heads=64, layout="compact",
+                     impl="wgmma_ws", kv_stages=1)
     with pytest.raises(ValidationError, match="use_isfinite applies to bwd_preprocess only"):
         BuildRequest(kernel="fwd", arch="sm_90a", d_qk=576, heads=64, layout="compact",
                      use_isfinite=True)
@@ -215,13 +221,39 @@ def test_cli_rejects_bad_combinations(tmp_path: Path) -> None:
 @needs_dsl
 @pytest.mark.slow
 def test_full_sweep_builds(tmp_path: Path) -> None:
-    """Every (arch, d_qk, heads, layout): 32 variants (about 3 s each, two workers)."""
+    """Every (arch, d_qk, heads, layout) with the arch default, plus every sm_90a variant of
+    the warp-specialised ``wgmma_ws``: 48 variants (about 1-3 s each, two workers)."""
     variants = [(a, d, h, lay) for a in ("sm_90a", "sm_100a") for d in (512, 576)
                 for h in (16, 32, 64, 128) for lay in ("compact", "noncompact")]
-    records = build_cutedsl([fwd_request(*v) for v in variants], tmp_path)
-    assert sorted(r.name for r in records) == sorted(fwd_name(*v) for v in variants)
+    ws = [("sm_90a", d, h, lay, None, "wgmma_ws") for d in (512, 576) for h in (16, 32, 64, 128)
+          for lay in ("compact", "noncompact")]
+    records = build_cutedsl([fwd_request(*v) for v in variants + ws], tmp_path)
+    assert sorted(r.name for r in records) == sorted(fwd_name(*v) for v in variants + ws)
     for rec in records:
         print(f"{rec.name}: {rec.build_seconds:.2f} s")
+
+
+#: ``wgmma_ws`` (sm_90a, not the default): a padded head block and a two-CTA head count.
+WS_VARIANTS = [(576, 64, "compact"), (512, 16, "noncompact")]
+
+
+@needs_dsl
+def test_wgmma_ws_builds(tmp_path: Path) -> None:
+    """The warp-specialised flavour compiles, exports and links; its record names it, and the
+    kernel in its cubin is launched with 384 threads (three warpgroups)."""
+    records = build_cutedsl([fwd_request("sm_90a", *v, None, "wgmma_ws") for v in WS_VARIANTS],
+                            tmp_path)
+    assert sorted(r.name for r in records) == sorted(
+        fwd_name("sm_90a", *v, None, "wgmma_ws") for v in WS_VARIANTS)
+    for rec, (d_qk, heads, layout) in zip(records, WS_VARIANTS):
+        assert (rec.impl, rec.kv_stages, rec.d_qk, rec.heads, rec.layout) == (
+            "wgmma_ws", 2, d_qk, heads, layout)
+        assert rec.name == fwd_name("sm_90a", d_qk, heads, layout, None, "wgmma_ws")
+        assert [a.name for a in rec.args] == TENSORS[layout] + ["softmax_scale", "stream"]
+        cubin = _embedded_cubin((tmp_path / rec.name / rec.object_file).read_bytes())
+        flags, = struct.unpack_from("<I", cubin, 0x30)
+        assert 90 in (flags & 0xFF, (flags >> 8) & 0xFF)
+        assert b"kernel_ws" in cubin
 
 
 # ---------------------------------------------------------------------------------------------
