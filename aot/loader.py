@@ -1,13 +1,15 @@
 """The runtime loader: spec -> key -> artifact -> loaded kernel, with a feature-checked fallback.
 
-Lookup order for a spec, per backend in the catalog's ranking:
-  1. the read-only prebuilt roots (``DSA_AOT_PREBUILT_DIR``), then the writable cache
-     (``DSA_AOT_CACHE_DIR``), under the current toolchain fingerprint; every file is
-     sha256-checked before it is loaded, a bad entry is quarantined and counts as a miss;
-  2. on a miss: ``DSA_AOT_REQUIRE_PREBUILT=1`` raises :class:`MissingPrebuiltError`; else JIT
-     compile (unless ``DSA_AOT_JIT=0``, or the compiler or a probed feature is missing),
-     publish into the writable cache under a per-key file lock, and load;
-  3. the next backend in the ranking; finally the torch reference, with a loud warning.
+Lookup order for a call shape, over the backends of the catalog's ranking:
+  1. each backend's stored artifact, in ranking order: the read-only prebuilt roots
+     (``DSA_AOT_PREBUILT_DIR``), then the writable cache (``DSA_AOT_CACHE_DIR``), under the
+     current toolchain fingerprint; every file is sha256-checked before it is loaded, a bad
+     entry is quarantined and counts as a miss;
+  2. none stored: ``DSA_AOT_REQUIRE_PREBUILT=1`` raises :class:`MissingPrebuiltError`; else JIT
+     compile each backend in ranking order (unless ``DSA_AOT_JIT=0``, or the compiler or a
+     probed feature is missing), publish into the writable cache under a per-key file lock,
+     and load;
+  3. finally the torch reference, with a loud warning.
 Each fallback step is logged once per process with its reason. Nothing here imports a
 compiler unless a JIT build actually runs.
 """
@@ -226,26 +228,30 @@ class Loader:
         return backend.load(built.manifest, lambda n: store.read_file(entry, n), device_index), f"jit:{store.root}"
 
     def resolve(self, op: str, arch: str, d_qk: int, heads: int, layout: str, device_index: int) -> tuple[Any, Resolution]:
-        """The kernel to run for one call shape, walking the fallback chain."""
+        """The kernel to run for one call shape, walking the fallback chain.
+
+        Every backend's stored artifact (in ranking order) is tried before anything is
+        compiled: a prebuilt kernel of the second backend beats a JIT build of the first.
+        """
         with self._lock:
             cfg = _settings.get()
             reasons: list[str] = []
-            first_spec = None
-            for backend_name in self.ranking(op):
-                backend = BACKENDS[backend_name]
-                if not backend.implements(op):
-                    continue
-                spec = KernelSpec(op=op, arch=arch, d_qk=d_qk, heads=heads, layout=layout, backend=backend_name)
-                first_spec = first_spec or spec
+            specs = [KernelSpec(op=op, arch=arch, d_qk=d_qk, heads=heads, layout=layout, backend=name)
+                     for name in self.ranking(op) if BACKENDS[name].implements(op)]
+            for spec in specs:
                 hit = self.try_load(spec, device_index)
                 if hit is not None:
+                    if spec is not specs[0]:
+                        self._once(f"{specs[0].id} is not stored; using the stored {spec.id}")
                     return hit[0], Resolution(spec, hit[1], tuple(reasons))
-                if cfg.require_prebuilt:
-                    raise MissingPrebuiltError(
-                        f"no prebuilt artifact for {spec.id} (toolchain {self.fingerprint()}) in "
-                        f"{[str(s.root) for s in self.stores()]}; DSA_AOT_REQUIRE_PREBUILT=1 forbids compiling "
-                        f"at run time. Fix: run `{prebuild_command(spec)}` in the image build "
-                        f"(same toolchain), or unset DSA_AOT_REQUIRE_PREBUILT.")
+            if cfg.require_prebuilt and specs:
+                wanted = " or ".join(s.id for s in specs)
+                raise MissingPrebuiltError(
+                    f"no prebuilt artifact for {wanted} (toolchain {self.fingerprint()}) in "
+                    f"{[str(s.root) for s in self.stores()]}; DSA_AOT_REQUIRE_PREBUILT=1 forbids compiling "
+                    f"at run time. Fix: run `{prebuild_command(specs[0])}` in the image build "
+                    f"(same toolchain), or unset DSA_AOT_REQUIRE_PREBUILT.")
+            for spec in specs:
                 reason = self._jit_blocker(spec)
                 if reason is None:
                     try:
@@ -257,6 +263,7 @@ class Loader:
                         reason = f"JIT-built {spec.id} could not be loaded: {exc}"
                 reasons.append(reason)
                 self._once(f"{spec.id}: {reason}; trying the next backend", logging.WARNING)
+            first_spec = specs[0] if specs else None
             spec = first_spec or KernelSpec(op=op, arch=arch, d_qk=d_qk, heads=heads, layout=layout)
             message = (f"no compiled kernel for {spec.id} ({'; '.join(reasons) or 'no backend'}); "
                        "falling back to the slow torch reference. "
