@@ -280,9 +280,6 @@ def record_digest(dist: md.Distribution, *, expect_native: bool = False) -> tupl
     does not describe the built libraries), no native library is listed while
     ``expect_native``, or a native library's size on disk differs from its RECORD line.
     """
-    text = dist.read_text("RECORD")
-    if text is None:
-        return None, ["RECORD is missing; its installed files cannot be fingerprinted"]
     direct_url = dist.read_text("direct_url.json")
     if direct_url:
         try:
@@ -291,6 +288,19 @@ def record_digest(dist: md.Distribution, *, expect_native: bool = False) -> tupl
             editable = False
         if editable:
             return None, ["editable install; its RECORD does not describe the built libraries"]
+    # PathDistribution keeps its metadata folder in _path; others (zip imports) are not memoized
+    folder = getattr(dist, "_path", None)
+    identity = file_identity(Path(str(folder)) / "RECORD") if folder is not None else None
+    remembered = _memo_get("record", identity)
+    if isinstance(remembered, dict) and isinstance(remembered.get("digest"), str):
+        natives = remembered.get("natives") or []
+        problems = _native_problems(dist, natives)
+        if expect_native and not natives:
+            problems.append("RECORD lists no native library (source or develop install?)")
+        return (None, problems) if problems else (remembered["digest"], [])
+    text = dist.read_text("RECORD")
+    if text is None:
+        return None, ["RECORD is missing; its installed files cannot be fingerprinted"]
     if '"' in text:  # csv quoting (a path with a comma or quote): parse every line
         rows = [(r + ["", ""])[:3] for r in csv.reader(text.splitlines()) if r and r[0]]
         rows = [r for r in rows if not _skipped_record_path(r[0])]
@@ -298,7 +308,7 @@ def record_digest(dist: md.Distribution, *, expect_native: bool = False) -> tupl
         rows = [line.rsplit(",", 2) for line in text.splitlines() if line and _keyed_line(line)]
     lines: list[str] = []
     problems: list[str] = []
-    natives = 0
+    natives: list[tuple[str, str]] = []
     for row in rows:
         path, digest, size = row if len(row) == 3 else (row + ["", ""])[:3]
         if not digest:
@@ -306,20 +316,30 @@ def record_digest(dist: md.Distribution, *, expect_native: bool = False) -> tupl
             continue
         lines.append(f"{path},{digest},{size}")
         if (".so" in path or ".dylib" in path or ".dll" in path) and _NATIVE.search(path):
-            natives += 1
-            try:
-                actual = os.stat(dist.locate_file(path)).st_size
-            except OSError as e:
-                problems.append(f"{path} is listed in RECORD but unreadable: {e.strerror}")
-                continue
-            if size.isdigit() and actual != int(size):
-                problems.append(f"{path} is {actual} bytes, RECORD says {size} (rebuilt in place?)")
-    if expect_native and natives == 0:
+            natives.append((path, size))
+    problems += _native_problems(dist, natives)
+    if expect_native and not natives:
         problems.append("RECORD lists no native library (source or develop install?)")
     if problems:
         return None, problems
     lines.sort()
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest(), []
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    _memo_put("record", identity, {"digest": digest, "natives": natives})
+    return digest, []
+
+
+def _native_problems(dist: md.Distribution, natives: Iterable[Sequence[str]]) -> list[str]:
+    """Native libraries listed in RECORD must be on disk with the recorded size."""
+    problems = []
+    for path, size in natives:
+        try:
+            actual = os.stat(dist.locate_file(path)).st_size
+        except OSError as e:
+            problems.append(f"{path} is listed in RECORD but unreadable: {e.strerror}")
+            continue
+        if size.isdigit() and actual != int(size):
+            problems.append(f"{path} is {actual} bytes, RECORD says {size} (rebuilt in place?)")
+    return problems
 
 
 def _check_tilelang_overrides(path: Path, reasons: list[str]) -> None:
@@ -385,29 +405,30 @@ def nvcc_version(nvcc: Path, *, spawn: bool = False) -> tuple[str | None, str | 
     version = _nvcc_version_from_files(nvcc)
     if version is not None:
         return version, None
-    identity = _binary_identity(nvcc)
-    memo = _nvcc_memo_path()
-    remembered = _read_nvcc_memo(memo).get(identity) if identity and memo else None
+    identity = file_identity(nvcc)
+    remembered = _memo_get("nvcc", identity)
     if isinstance(remembered, str) and _VERSION.match(remembered):
         return remembered, None
     version, error = _nvcc_version_spawned(str(nvcc))
-    if version is not None and identity and memo:
-        _write_nvcc_memo(memo, identity, version)
+    if version is not None:
+        _memo_put("nvcc", identity, version)
     return version, error
 
 
-#: Answers of spawned ``nvcc --version`` runs kept between processes (a toolkit without version
-#: files would otherwise cost a spawn, ~15 ms, in every process that computes the key).
-NVCC_MEMO = ".nvcc-versions.json"
-_NVCC_MEMO_MAX = 32
+#: Derived facts about installed files, kept between processes in ``<cache dir>/<TOOLCHAIN_MEMO>``:
+#: ``nvcc``: what a toolkit without version files answered to ``nvcc --version`` (a spawn, ~15 ms);
+#: ``record``: a distribution's RECORD digest (parsing TileLang's ~5,000 lines, ~10 ms). Each
+#: is filed under :func:`file_identity` of the file it was derived from.
+TOOLCHAIN_MEMO = ".toolchain-memo.json"
+_MEMO_MAX = 64
 
 
-def _binary_identity(path: Path) -> str | None:
+def file_identity(path: Path | str) -> str | None:
     """Which file ``path`` is: real path, device, inode, size, mtime and ctime (ns).
 
-    Replacing or rewriting the binary changes the inode or ctime (which no user can set back),
-    so a remembered answer is never reused for a different nvcc; the same test decides when a
-    compiler cache may trust a compiler unchanged.
+    Replacing or rewriting a file changes its inode or ctime (which no user can set back), so a
+    fact remembered for one file is never reused for another; the same test decides when a
+    compiler cache may trust a compiler unchanged. None when the file cannot be stat-ed.
     """
     try:
         real = os.path.realpath(path)
@@ -417,27 +438,49 @@ def _binary_identity(path: Path) -> str | None:
     return f"{real}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
 
 
-def _nvcc_memo_path() -> Path | None:
+def _memo_path() -> Path | None:
     try:
         from dsa_aot import settings
 
-        return settings.get().cache_dir / NVCC_MEMO
-    except Exception:  # settings unreadable: no memo, spawn as before
+        return settings.get().cache_dir / TOOLCHAIN_MEMO
+    except Exception:  # settings unreadable: no memo, compute as before
         return None
 
 
-def _read_nvcc_memo(path: Path) -> dict[str, Any]:
+_memo_cache: tuple[Path, dict[str, Any]] | None = None
+
+
+def _memo_read(path: Path) -> dict[str, Any]:
+    global _memo_cache
+    if _memo_cache is not None and _memo_cache[0] == path:
+        return _memo_cache[1]
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+        data = {}
+    data = data if isinstance(data, dict) else {}
+    _memo_cache = (path, data)
+    return data
 
 
-def _write_nvcc_memo(path: Path, identity: str, version: str) -> None:
-    """Add one answer (atomically: a temporary file renamed over the memo); best effort."""
-    data = {k: v for k, v in _read_nvcc_memo(path).items() if k != identity}
-    data = dict(list(data.items())[-(_NVCC_MEMO_MAX - 1):]) | {identity: version}
+def _memo_get(kind: str, identity: str | None) -> Any:
+    path = _memo_path()
+    if identity is None or path is None:
+        return None
+    table = _memo_read(path).get(kind)
+    return table.get(identity) if isinstance(table, dict) else None
+
+
+def _memo_put(kind: str, identity: str | None, value: Any) -> None:
+    """Remember one fact (atomically: a temporary file renamed over the memo); best effort."""
+    global _memo_cache
+    path = _memo_path()
+    if identity is None or path is None:
+        return
+    _memo_cache = None  # re-read: another process may have added facts
+    data = dict(_memo_read(path))
+    table = {k: v for k, v in (data.get(kind) or {}).items() if k != identity}
+    data[kind] = dict(list(table.items())[-(_MEMO_MAX - 1):]) | {identity: value}
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -445,6 +488,7 @@ def _write_nvcc_memo(path: Path, identity: str, version: str) -> None:
         os.replace(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)
+    _memo_cache = (path, data)
 
 
 def _nvcc_version_from_files(nvcc: Path, _hops: int = 1) -> str | None:

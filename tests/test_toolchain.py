@@ -233,14 +233,46 @@ def test_spawned_answer_is_remembered_for_that_binary_only(tmp_path, monkeypatch
         install("12.9.41")
         assert [ask(), ask(), ask()] == ["12.9.41"] * 3
         assert runs.read_text().count("run") == 1
-        memo = json.loads((tmp_path / "cache" / tc.NVCC_MEMO).read_text())
-        assert list(memo.values()) == ["12.9.41"]
+        memo = json.loads((tmp_path / "cache" / tc.TOOLCHAIN_MEMO).read_text())
+        assert list(memo["nvcc"].values()) == ["12.9.41"]
         install("13.0.88")  # an upgrade in place
         assert ask() == "13.0.88" and runs.read_text().count("run") == 2
         assert tc.nvcc_version(nvcc, spawn=True)[0] == "13.0.88" and runs.read_text().count("run") == 2
     finally:
         monkeypatch.undo()
         settings.reload()
+
+
+def test_record_digest_is_remembered_for_that_record_file_only(env, tmp_path, monkeypatch):
+    """A later process reuses the digest of an unchanged RECORD (its identity), still checks the
+    native libraries' sizes, and recomputes once the RECORD is rewritten."""
+    import importlib.metadata as md
+
+    from dsa_aot import settings
+
+    monkeypatch.setenv("DSA_AOT_CACHE_DIR", str(tmp_path / "cache"))
+    settings.reload()
+    try:
+        dist = md.PathDistribution(env.dist_info("tilelang"))
+        digest, problems = tc.record_digest(dist, expect_native=True)
+        assert problems == [] and digest
+        memo_file = tmp_path / "cache" / tc.TOOLCHAIN_MEMO
+        memo = json.loads(memo_file.read_text())
+        (identity, fact), = memo["record"].items()
+        assert identity == tc.file_identity(env.dist_info("tilelang") / "RECORD") and fact["digest"] == digest
+        fact["digest"] = "remembered"
+        memo_file.write_text(json.dumps(memo))
+        tc._memo_cache = None  # as a fresh process
+        assert tc.record_digest(dist, expect_native=True) == ("remembered", [])
+        (env.site / "tilelang/lib/libtilelang.so").write_bytes(b"\x7fELF longer build")
+        assert "rebuilt in place" in tc.record_digest(dist, expect_native=True)[1][0]
+        env.replace_file("tilelang", "tilelang/lib/libtilelang.so", b"\x7fELF longer build")
+        fresh, problems = tc.record_digest(dist, expect_native=True)
+        assert problems == [] and fresh not in ("remembered", digest)
+    finally:
+        monkeypatch.undo()
+        settings.reload()
+        tc._memo_cache = None
 
 
 def test_exec_wrapper_is_followed_to_the_toolkit_it_runs(env, tmp_path):
