@@ -161,15 +161,16 @@ def first_error_line(exc: BaseException) -> str:
 
 # ---------------------------------------------------------------------------------------
 class CuteDslBackend(KernelBackend):
-    """CuTe DSL kernels: the sparse MLA forward, and the backward as a hybrid of CuTe DSL
-    pre/post-processing around the TileLang main kernel.
+    """CuTe DSL kernels: the sparse MLA forward, and the backward (preprocess, main,
+    postprocess).
 
-    The CuTe DSL stages are exported and linked with the ``static_cudart`` link mode, so each is
-    a self-contained shared library (about 1 MiB) that needs neither ``cutlass`` nor the DSL's
-    runtime library where it runs; TileLang stages are cubins. Building spawns one CuTe DSL
-    worker per call (:func:`~dsa_aot.cutedsl_backend.build_cutedsl`) with ``CUTE_DSL_ARCH`` set
-    before ``cutlass`` is imported, so a JIT build in a user's process is as correct as one in a
-    ``prebuild`` worker; TileLang stages compile meanwhile.
+    Every stage is exported and linked with the ``static_cudart`` link mode, so each is a
+    self-contained shared library (about 1 MiB) that needs neither ``cutlass`` nor the DSL's
+    runtime library where it runs. Building spawns one CuTe DSL worker per call
+    (:func:`~dsa_aot.cutedsl_backend.build_cutedsl`) with ``CUTE_DSL_ARCH`` set before
+    ``cutlass`` is imported, so a JIT build in a user's process is as correct as one in a
+    ``prebuild`` worker. A registry entry may still mix in TileLang stages (cubins, compiled
+    meanwhile); their needs (tilelang, nvcc) are then checked too.
     """
 
     name = "cutedsl"
@@ -177,7 +178,10 @@ class CuteDslBackend(KernelBackend):
     link = "static_cudart"
 
     def can_build(self) -> str | None:
+        uses_tilelang = any(self._uses_tilelang(op) for b, op in registry.implemented() if b == self.name)
         for module, dist in (("cutlass", "nvidia-cutlass-dsl"), ("tilelang", "tilelang")):
+            if module == "tilelang" and not uses_tilelang:
+                continue
             if importlib.util.find_spec(module) is None:
                 return f"{dist} is not installed (pip install 'dsa-aot[build]')"
         from dsa_aot.cutedsl_backend import CuteBuildError, _cuda_home
@@ -203,7 +207,7 @@ class CuteDslBackend(KernelBackend):
         if not self._uses_tilelang(spec.op):
             return None  # the CuTe DSL brings its own compiler: nvcc is not involved
         if not getattr(features, "tilelang_importable", True):
-            return "tilelang (the bwd main kernel) is not importable"
+            return f"tilelang (a {spec.op} stage) is not importable"
         return _nvcc_reason(spec, features)
 
     def _uses_tilelang(self, op: str) -> bool:
@@ -220,7 +224,7 @@ class CuteDslBackend(KernelBackend):
         cute_defs = [st for st in plan if st.kind == "cutedsl"]
         shape = {"d_qk": spec.d_qk, "heads": spec.heads, "layout": spec.layout}
         requests = [BuildRequest(kernel=st.name, arch=spec.arch, link=self.link,
-                                 **(shape if st.name == "fwd" else {"use_isfinite": use_isfinite}))
+                                 **(shape if st.name in ("fwd", "bwd_main") else {"use_isfinite": use_isfinite}))
                     for st in cute_defs]
         files: dict[str, bytes] = {}
         built: dict[str, CubinStage | CuteDslStage] = {}

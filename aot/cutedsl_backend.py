@@ -26,6 +26,11 @@ per arch) and taking the run-time scalar ``softmax_scale`` (float32, passed by v
 artifacts are named ``cutedsl_fwd_<arch>_d<d_qk>_h<heads>_<layout>[_<impl>][_kv<n>][_static]``,
 the optional parts present only where they differ from the defaults.
 
+``bwd_main``, the backward main stage (:mod:`dsa_aot.kernels.cutedsl_bwd_main`: ``dq`` and the
+fp32 ``dkv_acc`` atomics), takes ``d_qk``, ``heads``, ``layout`` and ``impl`` (``mma``, the
+default, or ``wgmma`` on sm_90a) and ``softmax_scale`` the same way; its artifacts are named
+``cutedsl_bwd_main_<arch>_d<d_qk>_h<heads>_<layout>[_wgmma][_static]``.
+
 Records are JSON; this module imports only the standard library and pydantic.
 """
 
@@ -49,7 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from dsa_aot.cache.store import sha256_file
 
 Arch = Literal["sm_90a", "sm_100a"]
-CuteKernel = Literal["bwd_preprocess", "bwd_postprocess", "fwd"]
+CuteKernel = Literal["bwd_preprocess", "bwd_postprocess", "fwd", "bwd_main"]
 FwdLayout = Literal["compact", "noncompact"]
 FwdImpl = Literal["mma", "wgmma", "wgmma_pipe", "wgmma_ws"]
 #: The forward's MMA flavour per arch when a request names none (wgmma needs sm_90a).
@@ -219,6 +224,16 @@ class BuildRequest(BaseModel):
                 raise ValueError(f"impl={self.impl} needs sm_90a, not {self.arch}; use impl=mma")
             if self.impl in ("wgmma_pipe", "wgmma_ws") and self.kv_stages == 1:
                 raise ValueError(f"impl={self.impl} needs kv_stages=2")
+        elif self.kernel == "bwd_main":
+            if None in fwd:
+                raise ValueError("kernel=bwd_main needs d_qk, heads and layout, got "
+                                 f"d_qk={self.d_qk}, heads={self.heads}, layout={self.layout}")
+            if (self.use_isfinite, self.kv_stages) != (None, None):
+                raise ValueError("use_isfinite/kv_stages do not apply to kernel=bwd_main")
+            if self.impl not in (None, "mma", "wgmma"):
+                raise ValueError(f"kernel=bwd_main has impl mma or wgmma, not {self.impl}")
+            if self.impl == "wgmma" and self.arch != "sm_90a":
+                raise ValueError(f"impl=wgmma needs sm_90a, not {self.arch}; use impl=mma")
         elif fwd != (None, None, None) or self.kv_stages is not None or self.impl is not None:
             raise ValueError(f"d_qk/heads/layout/kv_stages/impl apply to kernel=fwd only, not "
                              f"{self.kernel}")
@@ -303,8 +318,14 @@ def _worker_compile(job: dict[str, object], arch: str) -> dict[str, object]:
 
     start = time.perf_counter()
     use_isfinite = job["use_isfinite"]
-    fwd = job.get("fwd")
-    if job["kernel"] == "fwd":
+    fwd = job.get("fwd") or job.get("bwd_main")
+    if job["kernel"] == "bwd_main":
+        from dsa_aot.kernels import cutedsl_bwd_main
+
+        use_isfinite = None
+        compiled, fakes = cutedsl_bwd_main.compile_bwd_main(arch, fwd["d_qk"], fwd["heads"],
+                                                            fwd["layout"], impl=fwd["impl"])
+    elif job["kernel"] == "fwd":
         from dsa_aot.kernels import cutedsl_fwd
 
         use_isfinite = None
@@ -474,6 +495,10 @@ def _default_name(kernel: str, arch: str, link: str, use_isfinite: bool | None,
             name += f"_{fwd['impl']}"
         if fwd["kv_stages"] != FWD_DEFAULT_KV_STAGES[str(fwd["impl"])]:
             name += f"_kv{fwd['kv_stages']}"
+    if kernel == "bwd_main" and fwd is not None:
+        name += f"_d{fwd['d_qk']}_h{fwd['heads']}_{fwd['layout']}"
+        if fwd["impl"] != "mma":
+            name += f"_{fwd['impl']}"
     if kernel == "bwd_preprocess":
         name += "_isfinite" if use_isfinite else "_infcmp"
     if link == "static_cudart":
@@ -503,6 +528,9 @@ def build_cutedsl(requests: list[BuildRequest], out_dir: str | os.PathLike[str],
                    "link": req.link, "dir": str(stage)}
             if req.kernel == "fwd":
                 job["fwd"] = req.fwd_params
+            elif req.kernel == "bwd_main":
+                job["bwd_main"] = {"d_qk": req.d_qk, "heads": req.heads, "layout": req.layout,
+                                   "impl": req.impl or "mma"}
             plan.setdefault(req.arch, []).append((req, job))
         started = time.perf_counter()
         procs = {arch: _spawn_worker(arch, [j for _, j in items], scratch, python)
@@ -574,7 +602,8 @@ def _finish(req: BuildRequest, job: dict[str, object], result: dict[str, object]
         link=req.link, runtime_libs=runtime_libs, cudart_version=cudart,
         use_isfinite=result["use_isfinite"], d_qk=req.d_qk, heads=req.heads, layout=req.layout,
         kv_stages=req.fwd_params["kv_stages"] if req.kernel == "fwd" else None,
-        impl=req.fwd_params["impl"] if req.kernel == "fwd" else None,
+        impl=(req.fwd_params["impl"] if req.kernel == "fwd"
+              else (req.impl or "mma") if req.kernel == "bwd_main" else None),
         dsl_version=str(reply["dsl_version"]),
         library_sha256=sha256_file(lib),
         build_seconds=round(float(result["compile_seconds"]) + float(result["export_seconds"])
@@ -604,13 +633,13 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("out_dir")
     build.add_argument("--arch", action="append", choices=["sm_90a", "sm_100a"])
     build.add_argument("--kernel", action="append", choices=["bwd_preprocess", "bwd_postprocess",
-                                                             "fwd"])
+                                                             "fwd", "bwd_main"])
     build.add_argument("--d-qk", type=int, action="append", choices=[512, 576],
-                       help="fwd: head dims to build (default both)")
+                       help="fwd, bwd_main: head dims to build (default both)")
     build.add_argument("--heads", type=int, action="append", choices=[16, 32, 64, 128],
-                       help="fwd: head counts to build (default all)")
+                       help="fwd, bwd_main: head counts to build (default all)")
     build.add_argument("--layout", action="append", choices=["compact", "noncompact"],
-                       help="fwd: layouts to build (default both)")
+                       help="fwd, bwd_main: layouts to build (default both)")
     build.add_argument("--impl", choices=["mma", "wgmma", "wgmma_pipe", "wgmma_ws"],
                        help="fwd: MMA flavour (default: wgmma_ws on sm_90a, mma on sm_100a)")
     build.add_argument("--kv-stages", type=int, choices=[1, 2],
@@ -639,6 +668,12 @@ def _cli_requests(args: argparse.Namespace, flag: bool | None) -> list[BuildRequ
     reqs = []
     for a in args.arch or ["sm_90a", "sm_100a"]:
         for k in args.kernel or ["bwd_preprocess", "bwd_postprocess"]:
+            if k == "bwd_main":
+                reqs += [BuildRequest(kernel=k, arch=a, link=args.link, d_qk=d, heads=h,
+                                      layout=lay)
+                         for d in args.d_qk or [512, 576] for h in args.heads or [16, 32, 64, 128]
+                         for lay in args.layout or ["compact", "noncompact"]]
+                continue
             if k != "fwd":
                 reqs.append(BuildRequest(kernel=k, arch=a, link=args.link, use_isfinite=flag))
                 continue

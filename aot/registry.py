@@ -33,25 +33,22 @@ class StageDef:
         return getattr(importlib.import_module(self.module), self.builder)
 
 
-_TILELANG_BWD_MAIN = StageDef("bwd_main", "dsa_aot.kernels.tilelang_bwd", "build_bwd_main")
-
 STAGES: dict[tuple[str, str], tuple[StageDef, ...]] = {
     ("tilelang", "fwd"): (
         StageDef("fwd", "dsa_aot.kernels.tilelang_fwd", "build_fwd"),
     ),
     ("tilelang", "bwd"): (
         StageDef("bwd_preprocess", "dsa_aot.kernels.tilelang_bwd_preprocess", "build_bwd_preprocess"),
-        _TILELANG_BWD_MAIN,
+        StageDef("bwd_main", "dsa_aot.kernels.tilelang_bwd", "build_bwd_main"),
         StageDef("bwd_postprocess", "dsa_aot.kernels.tilelang_bwd_postprocess", "build_bwd_postprocess"),
     ),
     ("cutedsl", "fwd"): (
         StageDef("fwd", "dsa_aot.kernels.cutedsl_fwd", "compile_fwd", kind="cutedsl"),
     ),
-    # Hybrid: CuTe DSL pre/post-processing around the TileLang main kernel.
     ("cutedsl", "bwd"): (
         StageDef("bwd_preprocess", "dsa_aot.kernels.cutedsl_bwd_preprocess", "compile_bwd_preprocess",
                  kind="cutedsl"),
-        _TILELANG_BWD_MAIN,
+        StageDef("bwd_main", "dsa_aot.kernels.cutedsl_bwd_main", "compile_bwd_main", kind="cutedsl"),
         StageDef("bwd_postprocess", "dsa_aot.kernels.cutedsl_bwd_postprocess", "compile_bwd_postprocess",
                  kind="cutedsl"),
     ),

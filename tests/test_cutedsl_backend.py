@@ -1,4 +1,4 @@
-"""The ``cutedsl`` backend: CuTe DSL pre/post-processing around the TileLang main kernel.
+"""The ``cutedsl`` backend: the CuTe DSL forward, and the backward's three CuTe DSL stages.
 
 CPU: real builds for sm_90a and sm_100a through ``BACKENDS["cutedsl"]``, published into a store;
 the manifest (formats, records, the isfinite choice); a forced ``use_isfinite=False`` build;
@@ -17,12 +17,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_helpers import cli, sm_of_elf
+from cli_helpers import cli
 import torch
 from pydantic import ValidationError
 
 from dsa_aot import settings
-from dsa_aot.artifact import ArtifactManifest, CubinStage, CuteDslStage
+from dsa_aot.artifact import ArtifactManifest, CuteDslStage
 from dsa_aot.backends import BACKENDS, STAGE_PARAMS, Built
 from dsa_aot.cache.store import ArtifactStore, CorruptArtifact
 from dsa_aot.specs.models import KernelSpec
@@ -32,7 +32,10 @@ from dsa_aot.specs.toolchain import Toolchain
 SPECS = {"sm_90a": "bwd-sm_90a-d576-h64-compact-cutedsl",
          "sm_100a": "bwd-sm_100a-d512-h16-noncompact-cutedsl"}
 PREBUILT = "bwd-sm_90a-d576-h64-compact-cutedsl"
-STAGES = [("bwd_preprocess", "cutedsl_so"), ("bwd_main", "cubin"), ("bwd_postprocess", "cutedsl_so")]
+STAGES = [("bwd_preprocess", "cutedsl_so"), ("bwd_main", "cutedsl_so"), ("bwd_postprocess", "cutedsl_so")]
+#: A cubin stage as the TileLang backend writes it (a backend may mix both formats).
+CUBIN_STAGE = {"format": "cubin", "name": "bwd_main", "file": "bwd_main.cubin",
+               "launch": {"entry": "k", "params": [], "grid": ["1", "1", "1"], "block": [128, 1, 1]}}
 _CUDA = torch.cuda.is_available()
 _CANNOT_BUILD = BACKENDS["cutedsl"].can_build()
 needs_build = pytest.mark.skipif(_CANNOT_BUILD is not None, reason=f"cannot build: {_CANNOT_BUILD}")
@@ -80,15 +83,9 @@ def test_published_manifest(built: dict, arch: str) -> None:
     assert [(s.name, s.format) for s in manifest.stages] == STAGES
     isfinite = probe_isfinite()  # what this DSL has: 4.8.1 does
     assert manifest.features == {"cute_math_isfinite": isfinite}
-    assert sorted(entry.meta.files) == ["bwd_main.cu", "bwd_main.cubin", "bwd_postprocess.so",
-                                        "bwd_preprocess.so"]
+    assert sorted(entry.meta.files) == ["bwd_main.so", "bwd_postprocess.so", "bwd_preprocess.so"]
     for stage in manifest.stages:
         data = store.read_file(entry, stage.file)
-        if isinstance(stage, CubinStage):
-            assert {p.name for p in stage.launch.params} <= STAGE_PARAMS[stage.name]
-            assert ("topk_length" in {p.name for p in stage.launch.params}) == (manifest.spec.layout == "compact")
-            assert sm_of_elf(data) == int(arch[3:-1])
-            continue
         rec = stage.cute
         assert isinstance(stage, CuteDslStage) and stage.file == f"{stage.name}.so"
         assert (rec.kernel, rec.arch, rec.link) == (stage.name, arch, "static_cudart")
@@ -102,6 +99,12 @@ def test_published_manifest(built: dict, arch: str) -> None:
     assert [a.name for a in manifest.stage("bwd_preprocess").cute.args] == [
         "out", "dout", "lse", "attn_sink", "delta", "lse_sink", "d_sink", "stream"]
     assert [a.name for a in manifest.stage("bwd_postprocess").cute.args] == ["dkv_acc", "dkv", "stream"]
+    main = manifest.stage("bwd_main").cute
+    assert [a.name for a in main.args] == [
+        "q", "kv", "dout", "topk_idxs", *(["topk_length"] if manifest.spec.layout == "compact" else []),
+        "lse_sink", "delta", "dq", "dkv_acc", "softmax_scale", "stream"]
+    assert (main.d_qk, main.heads, main.layout, main.impl) == (
+        manifest.spec.d_qk, manifest.spec.heads, manifest.spec.layout, "mma")
 
 
 @needs_build
@@ -113,7 +116,7 @@ def test_forced_infcmp_build_differs(built: dict) -> None:
     assert forced.files["bwd_preprocess.so"] != auto.files["bwd_preprocess.so"]
     # the choice touches the preprocess only
     assert forced.files["bwd_postprocess.so"] == auto.files["bwd_postprocess.so"]
-    assert forced.manifest.stage("bwd_main").launch == auto.manifest.stage("bwd_main").launch
+    assert forced.files["bwd_main.so"] == auto.files["bwd_main.so"]
 
 
 @needs_build
@@ -126,11 +129,18 @@ def test_manifest_stage_formats_are_validated(built: dict) -> None:
         data["stages"][index].update(change)
         return data
 
-    main, pre = payload["stages"][1], payload["stages"][0]
+    def replaced(index: int, stage: dict) -> dict:
+        data = json.loads(json.dumps(payload))
+        data["stages"][index] = stage
+        return data
+
+    mixed = ArtifactManifest.model_validate(replaced(1, CUBIN_STAGE))  # a cubin among libraries
+    assert [s.format for s in mixed.stages] == ["cutedsl_so", "cubin", "cutedsl_so"]
+    pre = payload["stages"][0]
     for bad, fragment in [
-            (broken(1, format="cutedsl_so"), "cute"),              # a cubin stage called a library
+            (replaced(1, {**CUBIN_STAGE, "format": "cutedsl_so"}), "cute"),  # a cubin called a library
             (broken(0, format="cubin"), "launch"),                 # a library called a cubin
-            (broken(0, launch=main["launch"]), "launch"),          # both records
+            (broken(0, launch=CUBIN_STAGE["launch"]), "launch"),   # both records
             (broken(0, name="bwd_postprocess"), "holds a record of kernel"),
             (broken(0, file="bwd_preprocess.cubin"), "not a shared library"),
             (broken(2, file=pre["file"]), "unique")]:
@@ -210,10 +220,10 @@ def test_unsupported_reasons() -> None:
                         errors={"cutlass_dsl_importable": "ModuleNotFoundError: No module named 'cutlass'"})
     assert backend.unsupported_reason(spec, missing) == (
         "the CuTe DSL is not importable (ModuleNotFoundError: No module named 'cutlass')")
-    no_tl = _features(tilelang_importable=False)
-    assert "tilelang" in backend.unsupported_reason(spec, no_tl)
+    # every stage is CuTe DSL: TileLang and nvcc are not involved
+    assert backend.unsupported_reason(spec, _features(tilelang_importable=False)) is None
     old_nvcc = _features(nvcc_archs={"sm_90a": True, "sm_100a": False})
-    assert backend.unsupported_reason(spec, old_nvcc) == "nvcc does not accept sm_100a (accepts sm_90a)"
+    assert backend.unsupported_reason(spec, old_nvcc) is None
     tl_spec = spec.model_copy(update={"backend": "tilelang"})
     assert BACKENDS["tilelang"].unsupported_reason(tl_spec, old_nvcc) == (
         "nvcc does not accept sm_100a (accepts sm_90a)")
@@ -324,14 +334,13 @@ def test_fresh_process_loads_stored_artifact_without_cutlass(prebuilt: Path) -> 
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["modules"] == []  # no compiler, no DSL
     cute = [s.cute for s in manifest.stages if isinstance(s, CuteDslStage)]
-    # both libraries were opened from the verified bytes, through sealed memfds
+    # every library was opened from the verified bytes, through sealed memfds
     assert report["libraries"] == sorted(r.library_sha256 for r in cute)
     assert report["memfd_mapped"] == sorted(f"dsa-aot-{r.name}" for r in cute)
     if _CUDA:
-        assert report["load"] == "ok" and report["prepare"] == ["ok", "ok"]
+        assert report["load"] == "ok" and report["prepare"] == ["ok"] * len(cute)
         return
-    # then the first CUDA call fails, and says so: the driver for the cubin, the static CUDA
-    # runtime for the libraries
+    # then the first CUDA call fails, and says so (the static CUDA runtime finds no driver)
     assert report["load"].startswith("CudaError: ") and (
         "libcuda.so.1" in report["load"] or "CUDA error" in report["load"]), report["load"]
     for message in report["prepare"]:

@@ -1,0 +1,922 @@
+"""CuTe DSL sparse MLA backward, main stage: ``dq`` and the fp32 ``dkv`` accumulator.
+
+Arguments, in call order (the TileLang main stage's names): ``q`` [s_q, H, D_qk] bf16, ``kv``
+[s_kv, D_qk] bf16, ``dout`` [s_q, H, 512] bf16, ``topk_idxs`` [s_q, K] int32, ``topk_length``
+[s_q] int32 (compact layout only), ``lse_sink`` [s_q, H] fp32 (natural-log ``logaddexp(lse,
+sink)``, +inf for an empty row), ``delta`` [s_q, H] fp32, ``dq`` [s_q, H, D_qk] bf16 (written),
+``dkv_acc`` [s_kv, D_qk] fp32 (zeroed by the caller, accumulated with atomics), the run-time
+scalar ``softmax_scale`` and the stream. ``D_qk`` (512 or 576), ``H`` (16, 32, 64, 128) and the
+layout are compile-time; ``s_q``, ``s_kv`` and ``K`` are run-time (any ``K >= 1``).
+
+Per valid slot ``j`` of row ``t`` (``0 <= idx < s_kv`` and, compact, ``j < clamp(topk_length, 0,
+K)``): ``p = exp(scale * q.k_j - lse_sink)``, ``dp = dout.v_j``, ``ds = p * (dp - delta)``;
+``dq = scale * sum_j ds k_j``; ``dkv_acc[idx_j] += scale * ds * q`` (all ``D_qk`` columns)
+``+ p * dout`` (the first 512).
+
+Design (tensor cores through the SM80 warp-level MMA, one source for sm_90a and sm_100a):
+
+* one CTA of 8 warps per query row and block of 64 heads (H < 64: the extra rows of ``q`` and
+  ``dout`` are zero and their ``lse`` is +inf, so they add nothing and are never stored);
+* the row's slots are walked in blocks of 64: the gathered KV rows are copied with ``cp.async``
+  from ``kv[idx]`` into a swizzled shared tile; an invalid slot is never read (zero row) and its
+  exponent is ``-inf`` before the ``exp2`` (no ``inf - inf``, no ``inf * 0``);
+* per block: ``S = Q K^T`` and ``dP = dO V^T`` share the K/V fragments; ``P`` and ``dS * scale``
+  go to shared memory as bf16; ``dQ += dS K`` accumulates in registers (``K^T`` read with
+  transposed ``ldmatrix``); after a barrier the next block's gather is issued and ``dKV = dS^T Q
+  + P^T dO`` runs in 64-column chunks whose results go to ``dkv_acc`` with fp32 atomics at valid
+  slots only (duplicate indices each add);
+* epilogue: ``dq`` in bf16 (0 for a row without a valid slot).
+
+Shared memory: ``q``, ``dout``, one KV tile, ``P``, ``dS`` and the slot indices, about 226 KiB for
+``D_qk = 576``, hence one CTA per SM. The dkv atomics are 4-wide (``red.global.add.v4.f32``;
+neighbouring lanes swap halves so each holds 4 adjacent columns of one row); ``atomic_width``
+selects 2- or 1-wide ones instead.
+
+Measured on an H200 (S_q 4096, S_kv 8192, K 2048, H 64, D_qk 576): 11.4 ms (2-wide atomics
+11.2 ms, 1-wide 18.9 ms); without the dKV GEMMs and their atomics 5.5 ms. ``scatter=False``
+skips only the atomics (a timing ablation; ``dkv_acc`` stays untouched).
+
+``impl="wgmma"`` (sm_90a only, opt-in): the same algorithm with two warpgroups issuing ``wgmma``
+from shared memory (K-major tiles, and MN-major views of the same bytes for the transposed
+operands); dq and dkv advance 128 columns per step (D_qk 576 is padded to 640: the padding
+columns read the neighbouring buffer, land in accumulator columns >= 576 and are never stored),
+and the dkv chunk GEMMs alternate between two accumulators so chunk c's MMAs overlap chunk
+c - 1's atomics. It compiles for every variant but has not been run on a GPU yet: keep the
+default ``impl="mma"`` until ``tests/test_cutedsl_bwd_main.py -m gpu`` has passed for it.
+
+This module imports ``cutlass``: use it in a build process only.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.utils import hopper_helpers as sm90_utils
+
+#: Value head dim of MLA.
+D_V = 512
+#: Heads per CTA (MMA M of the score GEMMs) and top-k slots per block.
+BLOCK_H = 64
+BLOCK_N = 64
+#: dq / dkv column chunk (one 64 x 64 fp32 accumulator).
+CHUNK = 64
+#: 8 warps: 4 along M, 2 along N of every GEMM.
+WARPS_M, WARPS_N = 4, 2
+THREADS = 32 * WARPS_M * WARPS_N
+#: bf16 elements per 16-byte copy.
+VEC = 8
+LOG2E = 1.4426950408889634
+#: Supported compile-time parameters.
+D_QK_CHOICES = (512, 576)
+HEAD_CHOICES = (16, 32, 64, 128)
+LAYOUTS = ("compact", "noncompact")
+#: fp32 values per dkv atomic: ``red.global.add.f32`` / ``.v2.f32`` / ``.v4.f32`` (sm_90+).
+ATOMIC_WIDTHS = (1, 2, 4)
+#: MMA flavours: warp-level ``mma.sync`` (any arch, the default) or sm_90a warpgroup MMA.
+IMPLS = ("mma", "wgmma")
+#: wgmma: dq / dkv columns per warpgroup pair step (an MN-major 128-byte swizzle atom is 64
+#: columns wide, so each warpgroup's N is a multiple of 64; D_qk = 576 is padded to 640).
+WG_CHUNK = 128
+
+_INF = float("inf")
+
+
+def check_params(d_qk: int, heads: int, layout: str) -> None:
+    """Raise ``ValueError`` naming the bad compile-time parameter."""
+    if d_qk not in D_QK_CHOICES:
+        raise ValueError(f"d_qk={d_qk!r}: the CuTe DSL backward supports {D_QK_CHOICES}")
+    if heads not in HEAD_CHOICES:
+        raise ValueError(f"heads={heads!r}: the CuTe DSL backward supports {HEAD_CHOICES}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: use one of {LAYOUTS}")
+
+
+def can_implement(d_qk: int, heads: int, layout: str) -> bool:
+    """Whether this kernel supports the compile-time parameters (no exception)."""
+    return d_qk in D_QK_CHOICES and heads in HEAD_CHOICES and layout in LAYOUTS
+
+
+def _acc_rows_cols(acc: cute.Tensor) -> cute.Tensor:
+    """A ``((2, 2), M, N)`` MMA accumulator (or its coordinate tensor) as ``(rows, cols)``."""
+    flat = cute.make_layout(acc.layout.shape)
+    rows_cols = cute.make_layout(((flat.shape[0][1], flat.shape[1]),
+                                  (flat.shape[0][0], flat.shape[2])),
+                                 stride=((flat.stride[0][1], flat.stride[1]),
+                                         (flat.stride[0][0], flat.stride[2])))
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, rows_cols))
+
+
+def _wg_rows_cols(acc: cute.Tensor) -> cute.Tensor:
+    """A warpgroup MMA accumulator ``((2, 2, V), M, N)`` (or its coordinates) as ``(rows, cols)``;
+    columns run over the value pair first, so ``(2 j, 2 j + 1)`` are adjacent columns."""
+    flat = cute.make_layout(acc.layout.shape)
+    sh, st = flat.shape, flat.stride
+    rows_cols = cute.make_layout(((sh[0][1], sh[1]), (sh[0][0], sh[0][2], sh[2])),
+                                 stride=((st[0][1], st[1]), (st[0][0], st[0][2], st[2])))
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, rows_cols))
+
+
+def _transposed(tensor: cute.Tensor, rows: int, cols: int) -> cute.Tensor:
+    """The ``(cols, rows)`` view of a ``(rows, cols)`` shared tile (no data moves)."""
+    return cute.composition(tensor, cute.make_layout((cols, rows), stride=(rows, 1)))
+
+
+def wgmma_smem_layouts(d_qk: int) -> dict[str, cute.ComposedLayout]:
+    """Shared-memory layouts of the wgmma flavour (call while tracing a ``cute.jit`` function).
+
+    ``q`` [64, d_qk], ``dout`` [64, 512], ``kv`` [64, d_qk] and ``p`` (also dS) [64, 64]: K-major
+    tiles of 128-byte swizzled 8 x 64 atoms, rows first. ``q_t``, ``dout_t``, ``kv_t`` and ``p_t``
+    are MN-major views of the same bytes with the two modes swapped; ``q_t`` and ``kv_t`` run on
+    to the padded width (a multiple of :data:`WG_CHUNK`), the extra columns addressing the
+    buffer allocated next.
+    """
+    k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+    mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, BFloat16)
+    d_pad = (d_qk + WG_CHUNK - 1) // WG_CHUNK * WG_CHUNK
+    return {
+        "q": cute.tile_to_shape(k_atom, (BLOCK_H, d_qk), (0, 1)),
+        "dout": cute.tile_to_shape(k_atom, (BLOCK_H, D_V), (0, 1)),
+        "kv": cute.tile_to_shape(k_atom, (BLOCK_N, d_qk), (0, 1)),
+        "p": cute.tile_to_shape(k_atom, (BLOCK_H, BLOCK_N), (0, 1)),
+        "q_t": cute.tile_to_shape(mn_atom, (d_pad, BLOCK_H), (1, 0)),
+        "dout_t": cute.tile_to_shape(mn_atom, (D_V, BLOCK_H), (1, 0)),
+        "kv_t": cute.tile_to_shape(mn_atom, (d_pad, BLOCK_N), (1, 0)),
+        "p_t": cute.tile_to_shape(mn_atom, (BLOCK_N, BLOCK_H), (1, 0)),
+    }
+
+
+class SparseMlaBwdMain:
+    """The backward main kernel for one ``(d_qk, heads, layout)``."""
+
+    def __init__(self, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
+                 scatter: bool = True, impl: str = "mma") -> None:
+        check_params(d_qk, heads, layout)
+        if atomic_width not in ATOMIC_WIDTHS:
+            raise ValueError(f"atomic_width={atomic_width!r}: use one of {ATOMIC_WIDTHS}")
+        if impl not in IMPLS:
+            raise ValueError(f"impl={impl!r}: use one of {IMPLS}")
+        self.impl = impl
+        self.d_qk = d_qk
+        self.heads = heads
+        self.compact = layout == "compact"
+        self.atomic_width = atomic_width
+        #: False skips the dkv atomics, nothing else (timing diagnosis only: dkv_acc untouched)
+        self.scatter = scatter
+
+    # ---------------------------------------------------------------------------------------
+    # Host side
+    # ---------------------------------------------------------------------------------------
+
+    @cute.jit
+    def launch(self, q: cute.Tensor, kv: cute.Tensor, dout: cute.Tensor, topk_idxs: cute.Tensor,
+               topk_length: cute.Tensor, lse_sink: cute.Tensor, delta: cute.Tensor,
+               dq: cute.Tensor, dkv_acc: cute.Tensor, softmax_scale: Float32,
+               stream: cuda.CUstream) -> None:
+        if cutlass.const_expr(self.impl == "wgmma"):
+            self.launch_wgmma(q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc,
+                              softmax_scale, stream)
+        else:
+            self.launch_mma(q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc,
+                            softmax_scale, stream)
+
+    @cute.jit
+    def launch_mma(self, q: cute.Tensor, kv: cute.Tensor, dout: cute.Tensor,
+                   topk_idxs: cute.Tensor, topk_length: cute.Tensor, lse_sink: cute.Tensor,
+                   delta: cute.Tensor, dq: cute.Tensor, dkv_acc: cute.Tensor,
+                   softmax_scale: Float32, stream: cuda.CUstream) -> None:
+        d = self.d_qk
+        atom = cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0,
+                                         cute.make_layout((8, 64), stride=(64, 1)))
+        s_q_layout = cute.tile_to_shape(atom, (BLOCK_H, d), (0, 1))
+        s_do_layout = cute.tile_to_shape(atom, (BLOCK_H, D_V), (0, 1))
+        s_kv_layout = cute.tile_to_shape(atom, (BLOCK_N, d), (0, 1))
+        s_p_layout = cute.tile_to_shape(atom, (BLOCK_H, BLOCK_N), (0, 1))
+
+        @cute.struct
+        class SharedStorage:
+            s_q: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(s_q_layout)], 1024]
+            s_do: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(s_do_layout)], 1024]
+            s_kv: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(s_kv_layout)], 1024]
+            s_p: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(s_p_layout)], 1024]
+            s_ds: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(s_p_layout)], 1024]
+            s_idx: cute.struct.Align[cute.struct.MemRange[Int32, 2 * BLOCK_N], 16]
+            s_valid: cute.struct.Align[cute.struct.MemRange[Int32, 2 * BLOCK_N], 16]
+            s_lse: cute.struct.Align[cute.struct.MemRange[Float32, BLOCK_H], 16]
+            s_delta: cute.struct.Align[cute.struct.MemRange[Float32, BLOCK_H], 16]
+
+        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                  BFloat16, num_bits_per_copy=128)
+        vecs = 64 // VEC
+        gmem_copy = cute.make_tiled_copy_tv(
+            g2s, cute.make_layout((THREADS // vecs, vecs), stride=(vecs, 1)),
+            cute.make_layout((1, VEC)))
+        # 64 x 32 x 16 per step: warp (m, n) owns rows 16 m.. and columns 16 n.. of each 32
+        tiled_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)),
+                                        (WARPS_M, WARPS_N, 1),
+                                        permutation_mnk=(WARPS_M * 16, WARPS_N * 16, 16))
+        s_q_rows = cute.size(q, mode=[0])
+        if s_q_rows > 0:
+            self.kernel(q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc,
+                        softmax_scale, s_q_layout, s_do_layout, s_kv_layout, s_p_layout,
+                        gmem_copy, tiled_mma, SharedStorage).launch(
+                grid=[s_q_rows, (self.heads + BLOCK_H - 1) // BLOCK_H, 1],
+                block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    # ---------------------------------------------------------------------------------------
+    # Device side
+    # ---------------------------------------------------------------------------------------
+
+    @cute.kernel
+    def kernel(self, m_q: cute.Tensor, m_kv: cute.Tensor, m_do: cute.Tensor, m_idx: cute.Tensor,
+               m_len: cute.Tensor, m_lse: cute.Tensor, m_delta: cute.Tensor, m_dq: cute.Tensor,
+               m_dkv: cute.Tensor, softmax_scale: Float32, s_q_layout: cute.ComposedLayout,
+               s_do_layout: cute.ComposedLayout, s_kv_layout: cute.ComposedLayout,
+               s_p_layout: cute.ComposedLayout, gmem_copy: cute.TiledCopy,
+               tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr) -> None:
+        d = self.d_qk
+        heads = self.heads
+        n_dq_chunks = d // CHUNK
+        n_v_chunks = D_V // CHUNK
+        tidx, _, _ = cute.arch.thread_idx()
+        t, hb, _ = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        s_kv = cute.size(m_kv, mode=[0])
+        topk = cute.size(m_idx, mode=[1])
+        n_slots = topk
+        if cutlass.const_expr(self.compact):
+            n_slots = cutlass.max(cutlass.min(m_len[t], topk), Int32(0))
+        n_blocks = (n_slots + BLOCK_N - 1) // BLOCK_N
+        scale_log2 = softmax_scale * Float32(LOG2E)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        s_q = storage.s_q.get_tensor(s_q_layout)
+        s_do = storage.s_do.get_tensor(s_do_layout)
+        s_kv_t = storage.s_kv.get_tensor(s_kv_layout)
+        s_p = storage.s_p.get_tensor(s_p_layout)
+        s_ds = storage.s_ds.get_tensor(s_p_layout)
+        s_idx = storage.s_idx.get_tensor(cute.make_layout(2 * BLOCK_N))
+        s_valid = storage.s_valid.get_tensor(cute.make_layout(2 * BLOCK_N))
+        s_lse = storage.s_lse.get_tensor(cute.make_layout(BLOCK_H))
+        s_delta = storage.s_delta.get_tensor(cute.make_layout(BLOCK_H))
+
+        # ---- q, dout -> shared (cp.async), lse/delta -> shared --------------------------------
+        thr_copy = gmem_copy.get_slice(tidx)
+        rows_per_pass = THREADS // (64 // VEC)
+        row_in_pass = tidx // (64 // VEC)
+        for src, dst, width in ((m_q, s_q, d), (m_do, s_do, D_V)):
+            g_src = cute.local_tile(src[t, None, None], (BLOCK_H, width), (hb, 0))
+            t_g = thr_copy.partition_S(g_src)
+            t_s = thr_copy.partition_D(dst)
+            for m in cutlass.range_constexpr(cute.size(t_s, mode=[1])):
+                if cutlass.const_expr(heads >= BLOCK_H):
+                    cute.copy(gmem_copy, t_g[None, m, None], t_s[None, m, None])
+                else:
+                    if row_in_pass + m * rows_per_pass < heads:
+                        cute.copy(gmem_copy, t_g[None, m, None], t_s[None, m, None])
+                    else:
+                        t_s[None, m, None].fill(0)
+        if tidx < BLOCK_H:
+            head = hb * BLOCK_H + tidx
+            lse_val = Float32(_INF)
+            delta_val = Float32(0.0)
+            if head < heads:
+                lse_val = m_lse[t, head] * Float32(LOG2E)
+                delta_val = m_delta[t, head]
+            s_lse[tidx] = lse_val
+            s_delta[tidx] = delta_val
+
+        # KV rows 0..63 as a template; each thread re-bases its rows on the gathered index
+        t_g_kv = thr_copy.partition_S(cute.local_tile(m_kv, (BLOCK_N, d), (0, 0)))
+        t_s_kv = thr_copy.partition_D(s_kv_t)
+        kv_row_stride = m_kv.stride[0]
+
+        # ---- MMA partitions -----------------------------------------------------------------
+        thr_mma = tiled_mma.get_slice(tidx)
+        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                   BFloat16)
+        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4),
+                                     BFloat16)
+        copy_a = cute.make_tiled_copy_A(ldsm, tiled_mma)
+        copy_at = cute.make_tiled_copy_A(ldsm_t, tiled_mma)
+        copy_b = cute.make_tiled_copy_B(ldsm, tiled_mma)
+        copy_bt = cute.make_tiled_copy_B(ldsm_t, tiled_mma)
+        thr_a = copy_a.get_slice(tidx)
+        thr_at = copy_at.get_slice(tidx)
+        thr_b = copy_b.get_slice(tidx)
+        thr_bt = copy_bt.get_slice(tidx)
+
+        # S = Q K^T and dP = dO V^T: one 16-wide k slice of A and B in registers at a time
+        t_s_q_a = thr_a.partition_S(s_q)      # (CPY, M, d/16)
+        t_s_do_a = thr_a.partition_S(s_do)    # (CPY, M, 32)
+        t_s_k_b = thr_b.partition_S(s_kv_t)   # (CPY, N, d/16)
+        k_slice_a = cute.local_tile(s_q, (BLOCK_H, 16), (0, 0))
+        r_qa = thr_mma.make_fragment_A(thr_mma.partition_A(k_slice_a))
+        r_doa = thr_mma.make_fragment_A(thr_mma.partition_A(k_slice_a))
+        r_kb = thr_mma.make_fragment_B(thr_mma.partition_B(cute.local_tile(s_kv_t, (BLOCK_N, 16),
+                                                                           (0, 0))))
+        r_qa_v = thr_a.retile(r_qa)
+        r_doa_v = thr_a.retile(r_doa)
+        r_kb_v = thr_b.retile(r_kb)
+
+        # dQ += dS K: A = dS (whole 64 x 64 tile), B = K^T (transposed ldmatrix)
+        t_s_ds_a = thr_a.partition_S(s_ds)
+        r_ds = thr_mma.make_fragment_A(thr_mma.partition_A(s_ds))
+        r_ds_v = thr_a.retile(r_ds)
+        s_kt = _transposed(s_kv_t, BLOCK_N, d)          # (d, n)
+        s_qt = _transposed(s_q, BLOCK_H, d)             # (d, h)
+        s_dot = _transposed(s_do, BLOCK_H, D_V)         # (512, h)
+        s_dst = _transposed(s_ds, BLOCK_H, BLOCK_N)     # (n, h)
+        s_pt = _transposed(s_p, BLOCK_H, BLOCK_N)       # (n, h)
+        r_bt = thr_mma.make_fragment_B(thr_mma.partition_B(cute.local_tile(s_kt, (CHUNK, 16),
+                                                                           (0, 0))))
+        r_bt_v = thr_bt.retile(r_bt)
+
+        # dKV = dS^T Q + P^T dO: A = dS^T / P^T (transposed ldmatrix), B = Q^T / dO^T
+        t_s_dst_a = thr_at.partition_S(s_dst)
+        t_s_pt_a = thr_at.partition_S(s_pt)
+        r_dst = thr_mma.make_fragment_A(thr_mma.partition_A(s_dst))
+        r_pt = thr_mma.make_fragment_A(thr_mma.partition_A(s_pt))
+        r_dst_v = thr_at.retile(r_dst)
+        r_pt_v = thr_at.retile(r_pt)
+
+        acc_shape = thr_mma.partition_shape_C((BLOCK_H, BLOCK_N))
+        acc_dq = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(n_dq_chunks)]
+        for c in cutlass.range_constexpr(n_dq_chunks):
+            acc_dq[c].fill(0.0)
+        coords = _acc_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((BLOCK_H, BLOCK_N))))
+        rows_per_thread = cute.size(coords, mode=[0])
+        cols_per_thread = cute.size(coords, mode=[1])
+
+        store_c = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(),
+                                                             BFloat16), tiled_mma)
+        thr_store_c = store_c.get_slice(tidx)
+        t_s_p_c = thr_store_c.partition_D(s_p)
+        t_s_ds_c = thr_store_c.partition_D(s_ds)
+
+        # ---- prologue: block 0 in flight ---------------------------------------------------
+        if n_blocks > 0:
+            first = self.load_indices(0, t, m_idx, n_slots, row_in_pass)
+            self.gather(first, 0, s_kv, t_g_kv, kv_row_stride, t_s_kv, s_idx, s_valid,
+                        gmem_copy, row_in_pass, tidx)
+        cute.arch.cp_async_commit_group()
+
+        for b in cutlass.range(n_blocks, unroll=1):
+            buf = (b % 2) * BLOCK_N
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+            # the next block's indices: loaded now, used after the GEMMs (latency hidden)
+            upcoming = self.load_indices(b + 1, t, m_idx, n_slots, row_in_pass)
+
+            # S and dP (K and V share the B fragment: V = the first 512 columns of K)
+            acc_s = cute.make_rmem_tensor(acc_shape, Float32)
+            acc_dp = cute.make_rmem_tensor(acc_shape, Float32)
+            acc_s.fill(0.0)
+            acc_dp.fill(0.0)
+            for k in cutlass.range_constexpr(d // 16):
+                cute.copy(copy_b, t_s_k_b[None, None, k], r_kb_v[None, None, 0])
+                cute.copy(copy_a, t_s_q_a[None, None, k], r_qa_v[None, None, 0])
+                cute.gemm(tiled_mma, acc_s, r_qa[None, None, 0], r_kb[None, None, 0], acc_s)
+                if cutlass.const_expr(k < D_V // 16):
+                    cute.copy(copy_a, t_s_do_a[None, None, k], r_doa_v[None, None, 0])
+                    cute.gemm(tiled_mma, acc_dp, r_doa[None, None, 0], r_kb[None, None, 0],
+                              acc_dp)
+
+            # P = exp2(s * scale * log2e - lse * log2e), masked slots -inf before the exp2;
+            # dS = P * (dP - delta) * scale
+            acc_s_rc = _acc_rows_cols(acc_s)
+            acc_dp_rc = _acc_rows_cols(acc_dp)
+            col_ok = [s_valid[buf + coords[0, j][1]] for j in range(cols_per_thread)]
+            for r in cutlass.range_constexpr(rows_per_thread):
+                row = coords[r, 0][0]
+                lse_r = s_lse[row]
+                delta_r = s_delta[row]
+                for j in cutlass.range_constexpr(cols_per_thread):
+                    x = acc_s_rc[r, j] * scale_log2 - lse_r
+                    if col_ok[j] == 0:
+                        x = Float32(-_INF)
+                    p = cute.math.exp2(x, fastmath=True)
+                    acc_s_rc[r, j] = p
+                    acc_dp_rc[r, j] = p * (acc_dp_rc[r, j] - delta_r) * softmax_scale
+            r_p16 = cute.make_fragment_like(acc_s, BFloat16)
+            r_p16.store(acc_s.load().to(BFloat16))
+            r_ds16 = cute.make_fragment_like(acc_dp, BFloat16)
+            r_ds16.store(acc_dp.load().to(BFloat16))
+            cute.copy(store_c, thr_store_c.retile(r_p16), t_s_p_c)
+            cute.copy(store_c, thr_store_c.retile(r_ds16), t_s_ds_c)
+            cute.arch.barrier()
+
+            # dQ += dS K
+            cute.copy(copy_a, t_s_ds_a, r_ds_v)
+            for c in cutlass.range_constexpr(n_dq_chunks):
+                t_s_kt = thr_bt.partition_S(cute.local_tile(s_kt, (CHUNK, BLOCK_N), (c, 0)))
+                for k in cutlass.range_constexpr(BLOCK_N // 16):
+                    cute.copy(copy_bt, t_s_kt[None, None, k], r_bt_v[None, None, 0])
+                    cute.gemm(tiled_mma, acc_dq[c], r_ds[None, None, k], r_bt[None, None, 0],
+                              acc_dq[c])
+            cute.arch.barrier()  # every warp is done with the KV tile
+
+            # the next block's rows stream in while dKV is computed and scattered
+            if b + 1 < n_blocks:
+                self.gather(upcoming, BLOCK_N - buf, s_kv, t_g_kv, kv_row_stride, t_s_kv, s_idx,
+                            s_valid, gmem_copy, row_in_pass, tidx)
+            cute.arch.cp_async_commit_group()
+
+            # dKV = dS^T Q + P^T dO, 64 columns at a time, atomically added at valid slots
+            cute.copy(copy_at, t_s_dst_a, r_dst_v)
+            cute.copy(copy_at, t_s_pt_a, r_pt_v)
+            if cutlass.const_expr(self.atomic_width == 4):
+                # lanes 2i and 2i+1 swap halves so each holds 4 adjacent columns of one row:
+                # the even lane row r0, the odd lane row r0 + 8
+                odd = lane % 2
+                my_n = coords[0, 0][0] + (coords[1, 0][0] - coords[0, 0][0]) * odd
+                row_ok = [s_valid[buf + my_n]]
+                row_ptr = [m_dkv.iterator + Int64(s_idx[buf + my_n]) * m_dkv.stride[0]]
+            else:
+                row_ok = [s_valid[buf + coords[r, 0][0]] for r in range(rows_per_thread)]
+                row_ptr = [m_dkv.iterator + Int64(s_idx[buf + coords[r, 0][0]]) * m_dkv.stride[0]
+                           for r in range(rows_per_thread)]
+            for c in cutlass.range_constexpr(n_dq_chunks):
+                acc_kv = cute.make_rmem_tensor(acc_shape, Float32)
+                acc_kv.fill(0.0)
+                t_s_qt = thr_bt.partition_S(cute.local_tile(s_qt, (CHUNK, BLOCK_H), (c, 0)))
+                for k in cutlass.range_constexpr(BLOCK_H // 16):
+                    cute.copy(copy_bt, t_s_qt[None, None, k], r_bt_v[None, None, 0])
+                    cute.gemm(tiled_mma, acc_kv, r_dst[None, None, k], r_bt[None, None, 0], acc_kv)
+                if cutlass.const_expr(c < n_v_chunks):
+                    t_s_dot = thr_bt.partition_S(cute.local_tile(s_dot, (CHUNK, BLOCK_H), (c, 0)))
+                    for k in cutlass.range_constexpr(BLOCK_H // 16):
+                        cute.copy(copy_bt, t_s_dot[None, None, k], r_bt_v[None, None, 0])
+                        cute.gemm(tiled_mma, acc_kv, r_pt[None, None, k], r_bt[None, None, 0],
+                                  acc_kv)
+                self.scatter_chunk(_acc_rows_cols(acc_kv), coords, row_ok, row_ptr, c * CHUNK,
+                                   lane)
+
+        # ---- epilogue: dq in bf16 ------------------------------------------------------------
+        cute.arch.cp_async_wait_group(0)
+        g_dq = cute.local_tile(m_dq[t, None, None], (BLOCK_H, d), (hb, 0))
+        c_full = thr_mma.partition_C(cute.make_identity_tensor((BLOCK_H, BLOCK_N)))
+        for c in cutlass.range_constexpr(n_dq_chunks):
+            t_g = thr_mma.partition_C(cute.local_tile(g_dq, (BLOCK_H, CHUNK), (0, c)))
+            r_o = cute.make_fragment_like(acc_dq[c], BFloat16)
+            r_o.store(acc_dq[c].load().to(BFloat16))
+            for i in cutlass.range_constexpr(cute.size(r_o)):
+                if cutlass.const_expr(heads >= BLOCK_H):
+                    t_g[i] = r_o[i]
+                else:
+                    if c_full[i][0] < heads:
+                        t_g[i] = r_o[i]
+
+    # ---------------------------------------------------------------------------------------
+    # sm_90a: warpgroup MMA from shared memory
+    # ---------------------------------------------------------------------------------------
+
+    @cute.jit
+    def launch_wgmma(self, q: cute.Tensor, kv: cute.Tensor, dout: cute.Tensor,
+                     topk_idxs: cute.Tensor, topk_length: cute.Tensor, lse_sink: cute.Tensor,
+                     delta: cute.Tensor, dq: cute.Tensor, dkv_acc: cute.Tensor,
+                     softmax_scale: Float32, stream: cuda.CUstream) -> None:
+        d = self.d_qk
+        layouts = wgmma_smem_layouts(d)
+        s_q_layout, s_do_layout = layouts["q"], layouts["dout"]
+        s_kv_layout, s_p_layout = layouts["kv"], layouts["p"]
+        s_qt_layout, s_dot_layout = layouts["q_t"], layouts["dout_t"]
+        s_kt_layout, s_pt_layout = layouts["kv_t"], layouts["p_t"]
+
+        @cute.struct
+        class SharedStorage:
+            s_q: cute.struct.Align[cute.struct.MemRange[BFloat16,
+                                                         cute.cosize(s_q_layout.outer)], 1024]
+            s_do: cute.struct.Align[cute.struct.MemRange[BFloat16,
+                                                          cute.cosize(s_do_layout.outer)], 1024]
+            s_kv: cute.struct.Align[cute.struct.MemRange[BFloat16,
+                                                          cute.cosize(s_kv_layout.outer)], 1024]
+            s_p: cute.struct.Align[cute.struct.MemRange[BFloat16,
+                                                         cute.cosize(s_p_layout.outer)], 1024]
+            s_ds: cute.struct.Align[cute.struct.MemRange[BFloat16,
+                                                          cute.cosize(s_p_layout.outer)], 1024]
+            s_idx: cute.struct.Align[cute.struct.MemRange[Int32, 2 * BLOCK_N], 16]
+            s_valid: cute.struct.Align[cute.struct.MemRange[Int32, 2 * BLOCK_N], 16]
+            s_lse: cute.struct.Align[cute.struct.MemRange[Float32, BLOCK_H], 16]
+            s_delta: cute.struct.Align[cute.struct.MemRange[Float32, BLOCK_H], 16]
+
+        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                  BFloat16, num_bits_per_copy=128)
+        vecs = 64 // VEC
+        gmem_copy = cute.make_tiled_copy_tv(
+            g2s, cute.make_layout((THREADS // vecs, vecs), stride=(vecs, 1)),
+            cute.make_layout((1, VEC)))
+        # two warpgroups side by side along N of every GEMM
+        mma_s = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, (1, 2, 1), (BLOCK_H, BLOCK_N // 2))
+        mma_dq = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, (1, 2, 1), (BLOCK_H, WG_CHUNK // 2))
+        mma_kv = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN,
+            Float32, (1, 2, 1), (BLOCK_N, WG_CHUNK // 2))
+        s_q_rows = cute.size(q, mode=[0])
+        if s_q_rows > 0:
+            self.kernel_wgmma(q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc,
+                              softmax_scale, s_q_layout, s_do_layout, s_kv_layout, s_p_layout,
+                              s_qt_layout, s_dot_layout, s_kt_layout, s_pt_layout, gmem_copy,
+                              mma_s, mma_dq, mma_kv, SharedStorage).launch(
+                grid=[s_q_rows, (self.heads + BLOCK_H - 1) // BLOCK_H, 1],
+                block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    @cute.kernel
+    def kernel_wgmma(self, m_q: cute.Tensor, m_kv: cute.Tensor, m_do: cute.Tensor,
+                     m_idx: cute.Tensor, m_len: cute.Tensor, m_lse: cute.Tensor,
+                     m_delta: cute.Tensor, m_dq: cute.Tensor, m_dkv: cute.Tensor,
+                     softmax_scale: Float32, s_q_layout: cute.ComposedLayout,
+                     s_do_layout: cute.ComposedLayout, s_kv_layout: cute.ComposedLayout,
+                     s_p_layout: cute.ComposedLayout, s_qt_layout: cute.ComposedLayout,
+                     s_dot_layout: cute.ComposedLayout, s_kt_layout: cute.ComposedLayout,
+                     s_pt_layout: cute.ComposedLayout, gmem_copy: cute.TiledCopy,
+                     mma_s: cute.TiledMma, mma_dq: cute.TiledMma, mma_kv: cute.TiledMma,
+                     SharedStorage: cutlass.Constexpr) -> None:
+        d = self.d_qk
+        heads = self.heads
+        n_chunks = (d + WG_CHUNK - 1) // WG_CHUNK
+        d_pad = n_chunks * WG_CHUNK
+        n_v_chunks = D_V // WG_CHUNK
+        for mma in (mma_s, mma_dq, mma_kv):
+            mma.set(warpgroup.Field.ACCUMULATE, True)  # accumulators are zero-filled instead
+        tidx, _, _ = cute.arch.thread_idx()
+        t, hb, _ = cute.arch.block_idx()
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        lane = cute.arch.lane_idx()
+        s_kv = cute.size(m_kv, mode=[0])
+        topk = cute.size(m_idx, mode=[1])
+        n_slots = topk
+        if cutlass.const_expr(self.compact):
+            n_slots = cutlass.max(cutlass.min(m_len[t], topk), Int32(0))
+        n_blocks = (n_slots + BLOCK_N - 1) // BLOCK_N
+        scale_log2 = softmax_scale * Float32(LOG2E)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        s_q = storage.s_q.get_tensor(s_q_layout.outer, swizzle=s_q_layout.inner)
+        s_do = storage.s_do.get_tensor(s_do_layout.outer, swizzle=s_do_layout.inner)
+        s_kv_t = storage.s_kv.get_tensor(s_kv_layout.outer, swizzle=s_kv_layout.inner)
+        s_p = storage.s_p.get_tensor(s_p_layout.outer, swizzle=s_p_layout.inner)
+        s_ds = storage.s_ds.get_tensor(s_p_layout.outer, swizzle=s_p_layout.inner)
+        s_qt = cute.make_tensor(s_q.iterator, s_qt_layout.outer)      # (d, h)
+        s_dot = cute.make_tensor(s_do.iterator, s_dot_layout.outer)   # (512, h)
+        s_kt = cute.make_tensor(s_kv_t.iterator, s_kt_layout.outer)   # (d, n)
+        s_pt = cute.make_tensor(s_p.iterator, s_pt_layout.outer)      # (n, h)
+        s_dst = cute.make_tensor(s_ds.iterator, s_pt_layout.outer)    # (n, h)
+        s_idx = storage.s_idx.get_tensor(cute.make_layout(2 * BLOCK_N))
+        s_valid = storage.s_valid.get_tensor(cute.make_layout(2 * BLOCK_N))
+        s_lse = storage.s_lse.get_tensor(cute.make_layout(BLOCK_H))
+        s_delta = storage.s_delta.get_tensor(cute.make_layout(BLOCK_H))
+
+        # ---- q, dout -> shared (cp.async), lse/delta -> shared --------------------------------
+        thr_copy = gmem_copy.get_slice(tidx)
+        rows_per_pass = THREADS // (64 // VEC)
+        row_in_pass = tidx // (64 // VEC)
+        for src, dst, width in ((m_q, s_q, d), (m_do, s_do, D_V)):
+            g_src = cute.local_tile(src[t, None, None], (BLOCK_H, width), (hb, 0))
+            t_g = thr_copy.partition_S(g_src)
+            t_s = thr_copy.partition_D(dst)
+            for m in cutlass.range_constexpr(cute.size(t_s, mode=[1])):
+                if cutlass.const_expr(heads >= BLOCK_H):
+                    cute.copy(gmem_copy, t_g[None, m, None], t_s[None, m, None])
+                else:
+                    if row_in_pass + m * rows_per_pass < heads:
+                        cute.copy(gmem_copy, t_g[None, m, None], t_s[None, m, None])
+                    else:
+                        t_s[None, m, None].fill(0)
+        if tidx < BLOCK_H:
+            head = hb * BLOCK_H + tidx
+            lse_val = Float32(_INF)
+            delta_val = Float32(0.0)
+            if head < heads:
+                lse_val = m_lse[t, head] * Float32(LOG2E)
+                delta_val = m_delta[t, head]
+            s_lse[tidx] = lse_val
+            s_delta[tidx] = delta_val
+        t_g_kv = thr_copy.partition_S(cute.local_tile(m_kv, (BLOCK_N, d), (0, 0)))
+        t_s_kv = thr_copy.partition_D(s_kv_t)
+        kv_row_stride = m_kv.stride[0]
+
+        # ---- warpgroup MMA operands (descriptors over shared memory) and accumulators -------
+        wg_s = mma_s.get_slice(wg * 128)
+        wg_dq = mma_dq.get_slice(wg * 128)
+        wg_kv = mma_kv.get_slice(wg * 128)
+        r_q = mma_s.make_fragment_A(wg_s.partition_A(s_q))        # (MMA, 1, d/16)
+        r_do = mma_s.make_fragment_A(wg_s.partition_A(s_do))      # (MMA, 1, 32)
+        r_k = mma_s.make_fragment_B(wg_s.partition_B(s_kv_t))     # (MMA, 1, d/16)
+        r_ds = mma_dq.make_fragment_A(wg_dq.partition_A(s_ds))    # (MMA, 1, 4)
+        r_kt = mma_dq.make_fragment_B(wg_dq.partition_B(s_kt))    # (MMA, d_pad/128, 4)
+        r_dst = mma_kv.make_fragment_A(wg_kv.partition_A(s_dst))  # (MMA, 1, 4)
+        r_pt = mma_kv.make_fragment_A(wg_kv.partition_A(s_pt))    # (MMA, 1, 4)
+        r_qt = [mma_kv.make_fragment_B(wg_kv.partition_B(
+            cute.local_tile(s_qt, (WG_CHUNK, BLOCK_H), (c, 0)))) for c in range(n_chunks)]
+        r_dot = [mma_kv.make_fragment_B(wg_kv.partition_B(
+            cute.local_tile(s_dot, (WG_CHUNK, BLOCK_H), (c, 0)))) for c in range(n_v_chunks)]
+        thr_s = mma_s.get_slice(tidx)
+        thr_dq = mma_dq.get_slice(tidx)
+        thr_kv = mma_kv.get_slice(tidx)
+        acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((BLOCK_H, d_pad)), Float32)
+        acc_dq.fill(0.0)
+        acc_shape = thr_s.partition_shape_C((BLOCK_H, BLOCK_N))
+        kv_shape = thr_kv.partition_shape_C((BLOCK_N, WG_CHUNK))
+        coords = _wg_rows_cols(thr_s.partition_C(cute.make_identity_tensor((BLOCK_H, BLOCK_N))))
+        kv_coords = _wg_rows_cols(thr_kv.partition_C(cute.make_identity_tensor((BLOCK_N,
+                                                                                WG_CHUNK))))
+        rows_per_thread = cute.size(coords, mode=[0])
+        cols_per_thread = cute.size(coords, mode=[1])
+        store_c = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(),
+                                                             BFloat16), mma_s)
+        thr_store_c = store_c.get_slice(tidx)
+        t_s_p_c = thr_store_c.partition_D(s_p)
+        t_s_ds_c = thr_store_c.partition_D(s_ds)
+
+        # ---- prologue: block 0 in flight ---------------------------------------------------
+        if n_blocks > 0:
+            first = self.load_indices(0, t, m_idx, n_slots, row_in_pass)
+            self.gather(first, 0, s_kv, t_g_kv, kv_row_stride, t_s_kv, s_idx, s_valid,
+                        gmem_copy, row_in_pass, tidx)
+        cute.arch.cp_async_commit_group()
+
+        for b in cutlass.range(n_blocks, unroll=1):
+            buf = (b % 2) * BLOCK_N
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.fence_view_async_shared()  # cp.async / zero-fill writes -> wgmma reads
+            cute.arch.barrier()
+            upcoming = self.load_indices(b + 1, t, m_idx, n_slots, row_in_pass)
+
+            # S = Q K^T and dP = dO V^T (this warpgroup's 32 slots)
+            acc_s = cute.make_rmem_tensor(acc_shape, Float32)
+            acc_dp = cute.make_rmem_tensor(acc_shape, Float32)
+            acc_s.fill(0.0)
+            acc_dp.fill(0.0)
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(d // 16):
+                cute.gemm(mma_s, acc_s, r_q[None, None, k], r_k[None, None, k], acc_s)
+            for k in cutlass.range_constexpr(D_V // 16):
+                cute.gemm(mma_s, acc_dp, r_do[None, None, k], r_k[None, None, k], acc_dp)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+            acc_s_rc = _wg_rows_cols(acc_s)
+            acc_dp_rc = _wg_rows_cols(acc_dp)
+            col_ok = [s_valid[buf + coords[0, j][1]] for j in range(cols_per_thread)]
+            for r in cutlass.range_constexpr(rows_per_thread):
+                row = coords[r, 0][0]
+                lse_r = s_lse[row]
+                delta_r = s_delta[row]
+                for j in cutlass.range_constexpr(cols_per_thread):
+                    x = acc_s_rc[r, j] * scale_log2 - lse_r
+                    if col_ok[j] == 0:
+                        x = Float32(-_INF)
+                    p = cute.math.exp2(x, fastmath=True)
+                    acc_s_rc[r, j] = p
+                    acc_dp_rc[r, j] = p * (acc_dp_rc[r, j] - delta_r) * softmax_scale
+            r_p16 = cute.make_fragment_like(acc_s, BFloat16)
+            r_p16.store(acc_s.load().to(BFloat16))
+            r_ds16 = cute.make_fragment_like(acc_dp, BFloat16)
+            r_ds16.store(acc_dp.load().to(BFloat16))
+            cute.copy(store_c, thr_store_c.retile(r_p16), t_s_p_c)
+            cute.copy(store_c, thr_store_c.retile(r_ds16), t_s_ds_c)
+            cute.arch.fence_view_async_shared()  # P / dS stores -> wgmma reads
+            cute.arch.barrier()
+
+            # dQ += dS K, then the first dKV chunk; the next gather waits for dQ only
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(BLOCK_N // 16):
+                cute.gemm(mma_dq, acc_dq, r_ds[None, None, k], r_kt[None, None, k], acc_dq)
+            warpgroup.commit_group()
+            if cutlass.const_expr(self.atomic_width == 4):
+                odd = lane % 2
+                my_n = kv_coords[0, 0][0] + (kv_coords[1, 0][0] - kv_coords[0, 0][0]) * odd
+                row_ok = [s_valid[buf + my_n]]
+                row_ptr = [m_dkv.iterator + Int64(s_idx[buf + my_n]) * m_dkv.stride[0]]
+            else:
+                row_ok = [s_valid[buf + kv_coords[r, 0][0]] for r in range(rows_per_thread)]
+                row_ptr = [m_dkv.iterator + Int64(s_idx[buf + kv_coords[r, 0][0]])
+                           * m_dkv.stride[0] for r in range(rows_per_thread)]
+            acc_kv = [cute.make_rmem_tensor(kv_shape, Float32) for _ in range(2)]
+            for c in cutlass.range_constexpr(n_chunks):
+                acc = acc_kv[c % 2]
+                acc.fill(0.0)
+                warpgroup.fence()
+                for k in cutlass.range_constexpr(BLOCK_H // 16):
+                    cute.gemm(mma_kv, acc, r_dst[None, None, k], r_qt[c][None, None, k], acc)
+                if cutlass.const_expr(c < n_v_chunks):
+                    for k in cutlass.range_constexpr(BLOCK_H // 16):
+                        cute.gemm(mma_kv, acc, r_pt[None, None, k], r_dot[c][None, None, k], acc)
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)  # dQ (c = 0) or chunk c - 1 is done
+                if cutlass.const_expr(c == 0):
+                    cute.arch.barrier()  # both warpgroups are past dQ: the KV tile is free
+                    if b + 1 < n_blocks:
+                        self.gather(upcoming, BLOCK_N - buf, s_kv, t_g_kv, kv_row_stride,
+                                    t_s_kv, s_idx, s_valid, gmem_copy, row_in_pass, tidx)
+                    cute.arch.cp_async_commit_group()
+                else:
+                    self.scatter_chunk(_wg_rows_cols(acc_kv[(c - 1) % 2]), kv_coords, row_ok,
+                                       row_ptr, (c - 1) * WG_CHUNK, lane)
+            warpgroup.wait_group(0)
+            self.scatter_chunk(_wg_rows_cols(acc_kv[(n_chunks - 1) % 2]), kv_coords, row_ok,
+                               row_ptr, (n_chunks - 1) * WG_CHUNK, lane,
+                               d if d < d_pad else None)
+
+        # ---- epilogue: dq in bf16 ------------------------------------------------------------
+        cute.arch.cp_async_wait_group(0)
+        g_dq = cute.local_tile(m_dq[t, None, None], (BLOCK_H, d_pad), (hb, 0))
+        t_g = thr_dq.partition_C(g_dq)
+        c_dq = thr_dq.partition_C(cute.make_identity_tensor((BLOCK_H, d_pad)))
+        r_o = cute.make_fragment_like(acc_dq, BFloat16)
+        r_o.store(acc_dq.load().to(BFloat16))
+        for i in cutlass.range_constexpr(cute.size(r_o)):
+            if cutlass.const_expr(heads >= BLOCK_H and d == d_pad):
+                t_g[i] = r_o[i]
+            else:
+                if (c_dq[i][0] < heads) & (c_dq[i][1] < d):
+                    t_g[i] = r_o[i]
+
+    @cute.jit
+    def scatter_chunk(self, acc: cute.Tensor, coords: cute.Tensor, row_ok: list, row_ptr: list,
+                      col0: Int32, lane: Int32, limit: cutlass.Constexpr = None) -> None:
+        """Add one ``(64 slots, N columns)`` dKV accumulator to ``dkv_acc`` at valid slots (and
+        columns below ``limit``, when given).
+
+        ``scatter=False`` keeps every instruction but the atomics, behind a run-time test that
+        never passes (the dKV GEMMs stay live: a timing ablation of the atomics alone).
+        """
+        rows = cute.size(acc, mode=[0])
+        cols = cute.size(acc, mode=[1])
+        if cutlass.const_expr(not self.scatter):
+            row_ok = [ok // 2 for ok in row_ok]  # the flags are 0 or 1 (the compiler can't tell)
+        if cutlass.const_expr(self.atomic_width == 4):
+            odd = lane % 2
+            vals = cute.make_rmem_tensor(4, Float32)
+            for jp in cutlass.range_constexpr(cols // 2):
+                # the even lane sends its row-1 pair, the odd lane its row-0 pair
+                send0 = acc[1, 2 * jp] if odd == 0 else acc[0, 2 * jp]
+                send1 = acc[1, 2 * jp + 1] if odd == 0 else acc[0, 2 * jp + 1]
+                got0 = cute.arch.shuffle_sync_bfly(send0, offset=1)
+                got1 = cute.arch.shuffle_sync_bfly(send1, offset=1)
+                vals[0] = acc[0, 2 * jp] if odd == 0 else got0
+                vals[1] = acc[0, 2 * jp + 1] if odd == 0 else got1
+                vals[2] = got0 if odd == 0 else acc[1, 2 * jp]
+                vals[3] = got1 if odd == 0 else acc[1, 2 * jp + 1]
+                if cutlass.const_expr(limit is None):
+                    if row_ok[0] != 0:
+                        col = col0 + coords[0, 2 * jp][1] - 2 * odd
+                        cute.arch.red((row_ptr[0] + col).llvm_ptr, vals.load(), op="add",
+                                      dtype="f32", sem="relaxed", scope="gpu")
+                else:  # columns from ``limit`` on are padding (4-aligned: all or none)
+                    col = col0 + coords[0, 2 * jp][1] - 2 * odd
+                    if (row_ok[0] != 0) & (col < limit):
+                        cute.arch.red((row_ptr[0] + col).llvm_ptr, vals.load(), op="add",
+                                      dtype="f32", sem="relaxed", scope="gpu")
+        elif cutlass.const_expr(self.atomic_width == 2):
+            vals = cute.make_rmem_tensor(2, Float32)
+            for r in cutlass.range_constexpr(rows):
+                if row_ok[r] != 0:
+                    for jp in cutlass.range_constexpr(cols // 2):
+                        vals[0] = acc[r, 2 * jp]
+                        vals[1] = acc[r, 2 * jp + 1]
+                        col = col0 + coords[r, 2 * jp][1]
+                        if cutlass.const_expr(limit is None):
+                            cute.arch.red((row_ptr[r] + col).llvm_ptr, vals.load(), op="add",
+                                          dtype="f32", sem="relaxed", scope="gpu")
+                        elif col < limit:
+                            cute.arch.red((row_ptr[r] + col).llvm_ptr, vals.load(), op="add",
+                                          dtype="f32", sem="relaxed", scope="gpu")
+        else:
+            for r in cutlass.range_constexpr(rows):
+                if row_ok[r] != 0:
+                    for j in cutlass.range_constexpr(cols):
+                        col = col0 + coords[r, j][1]
+                        if cutlass.const_expr(limit is None):
+                            cute.arch.atomic_add((row_ptr[r] + col).llvm_ptr, acc[r, j])
+                        elif col < limit:
+                            cute.arch.atomic_add((row_ptr[r] + col).llvm_ptr, acc[r, j])
+
+    @cute.jit
+    def load_indices(self, block: Int32, t: Int32, m_idx: cute.Tensor, n_slots: Int32,
+                     row_in_pass: Int32) -> list:
+        """The top-k indices of this thread's gather rows of block ``block`` (-1 past the end)."""
+        found = []
+        for m in cutlass.range_constexpr(BLOCK_N // (THREADS // (64 // VEC))):
+            slot = block * BLOCK_N + row_in_pass + m * (THREADS // (64 // VEC))
+            idx = Int32(-1)
+            if slot < n_slots:
+                idx = m_idx[t, slot]
+            found.append(idx)
+        return found
+
+    @cute.jit
+    def gather(self, indices: list, buf: Int32, s_kv: Int32, t_g_kv: cute.Tensor,
+               row_stride: Int64, t_s_kv: cute.Tensor, s_idx: cute.Tensor,
+               s_valid: cute.Tensor, gmem_copy: cute.TiledCopy, row_in_pass: Int32,
+               tidx: Int32) -> None:
+        """Issue the ``cp.async`` copies of one block's KV rows (no commit); record each slot's
+        index and validity at ``buf`` in ``s_idx`` / ``s_valid``."""
+        for m in cutlass.range_constexpr(cute.size(t_s_kv, mode=[1])):
+            row = row_in_pass + m * (THREADS // (64 // VEC))
+            idx = indices[m]
+            ok = (idx >= 0) & (idx < s_kv)
+            if ok:
+                src_t = t_g_kv[None, m, None]
+                src = cute.make_tensor(src_t.iterator + Int64(idx - row) * row_stride, src_t.layout)
+                cute.copy(gmem_copy, src, t_s_kv[None, m, None])
+            else:
+                t_s_kv[None, m, None].fill(0)
+            if tidx % (64 // VEC) == 0:
+                s_valid[buf + row] = Int32(1) if ok else Int32(0)
+                s_idx[buf + row] = idx if ok else Int32(0)
+
+
+class SparseMlaBwdMainCompact(SparseMlaBwdMain):
+    """Entry point of the compact layout (``topk_length`` given)."""
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, kv: cute.Tensor, dout: cute.Tensor,
+                 topk_idxs: cute.Tensor, topk_length: cute.Tensor, lse_sink: cute.Tensor,
+                 delta: cute.Tensor, dq: cute.Tensor, dkv_acc: cute.Tensor,
+                 softmax_scale: Float32, stream: cuda.CUstream) -> None:
+        self.launch(q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc,
+                    softmax_scale, stream)
+
+
+class SparseMlaBwdMainNoncompact(SparseMlaBwdMain):
+    """Entry point of the noncompact layout (padding marked by out-of-range indices)."""
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, kv: cute.Tensor, dout: cute.Tensor,
+                 topk_idxs: cute.Tensor, lse_sink: cute.Tensor, delta: cute.Tensor,
+                 dq: cute.Tensor, dkv_acc: cute.Tensor, softmax_scale: Float32,
+                 stream: cuda.CUstream) -> None:
+        self.launch(q, kv, dout, topk_idxs, topk_idxs, lse_sink, delta, dq, dkv_acc,
+                    softmax_scale, stream)
+
+
+def fake_arguments(d_qk: int, heads: int, layout: str) -> dict[str, object]:
+    """Dynamic-shape stand-ins for every argument, in call order.
+
+    ``s_q``, ``s_kv`` and ``topk`` are run-time; heads and head dims are compile-time. The last
+    dim of every tensor is contiguous; bf16 row/head strides are run-time multiples of 8
+    elements (16-byte aligned rows for ``cp.async``), the ``dkv_acc`` row stride a multiple of 4
+    (16-byte aligned rows for the vector atomics), other strides any run-time value.
+    """
+    check_params(d_qk, heads, layout)
+    s_q = cute.sym_int32(symbol="s_q")
+    s_kv = cute.sym_int32(symbol="s_kv")
+    topk = cute.sym_int32(symbol="topk")
+
+    def vec_stride() -> object:
+        return cute.sym_int64(divisibility=VEC)
+
+    def fake(dtype: type, shape: tuple, stride: tuple, align: int) -> object:
+        return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=align)
+
+    args: dict[str, object] = {
+        "q": fake(BFloat16, (s_q, heads, d_qk), (vec_stride(), vec_stride(), 1), 16),
+        "kv": fake(BFloat16, (s_kv, d_qk), (vec_stride(), 1), 16),
+        "dout": fake(BFloat16, (s_q, heads, D_V), (vec_stride(), vec_stride(), 1), 16),
+        "topk_idxs": fake(Int32, (s_q, topk), (cute.sym_int64(), 1), 4),
+    }
+    if layout == "compact":
+        args["topk_length"] = fake(Int32, (s_q,), (cute.sym_int64(),), 4)
+    args |= {
+        "lse_sink": fake(Float32, (s_q, heads), (cute.sym_int64(), 1), 4),
+        "delta": fake(Float32, (s_q, heads), (cute.sym_int64(), 1), 4),
+        "dq": fake(BFloat16, (s_q, heads, d_qk), (vec_stride(), vec_stride(), 1), 16),
+        # 16-byte aligned rows for the 4-wide atomics
+        "dkv_acc": fake(Float32, (s_kv, d_qk), (cute.sym_int64(divisibility=4), 1), 16),
+        "softmax_scale": Float32(1.0),
+        "stream": cuda.CUstream(0),
+    }
+    return args
+
+
+def compile_bwd_main(arch: str, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
+                     scatter: bool = True, impl: str = "mma", extra_options: str = "",
+                     ) -> tuple[object, dict[str, object]]:
+    """``cute.compile`` the kernel for ``arch`` (``CUTE_DSL_ARCH=<arch>`` set before import).
+
+    ``impl="wgmma"`` (sm_90a only) selects the warpgroup-MMA flavour. Returns the compiled
+    function and the fake arguments it was compiled with.
+    """
+    if impl == "wgmma" and arch != "sm_90a":
+        raise ValueError(f"impl='wgmma' needs sm_90a, not {arch}; use impl='mma'")
+    fakes = fake_arguments(d_qk, heads, layout)
+    cls = SparseMlaBwdMainCompact if layout == "compact" else SparseMlaBwdMainNoncompact
+    kernel = cls(d_qk, heads, layout, atomic_width=atomic_width, scatter=scatter, impl=impl)
+    compiled = cute.compile(kernel, *fakes.values(),
+                            options=f"--gpu-arch {arch} {extra_options}".strip())
+    return compiled, fakes
+
+
+__all__ = ["SparseMlaBwdMain", "SparseMlaBwdMainCompact", "SparseMlaBwdMainNoncompact",
+           "can_implement", "check_params", "compile_bwd_main", "fake_arguments",
+           "wgmma_smem_layouts"]
