@@ -234,13 +234,13 @@ def test_backends_setting_overrides_the_ranking(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.delenv("DSA_AOT_BACKENDS", raising=False)
     with settings.scope(backends=None):
-        assert Loader().ranking("bwd") == ["tilelang", "cutedsl"]  # the catalog's
+        assert Loader().ranking("bwd") == ["cutedsl", "tilelang"]  # the catalog's
         assert Loader().ranking("fwd") == ["cutedsl", "tilelang"]
-    monkeypatch.setenv("DSA_AOT_BACKENDS", "cutedsl, tilelang")
+    monkeypatch.setenv("DSA_AOT_BACKENDS", "tilelang, cutedsl")
     cfg = settings.Settings.from_env()
-    assert cfg.backends == ("cutedsl", "tilelang")
+    assert cfg.backends == ("tilelang", "cutedsl")
     with settings.scope(backends=cfg.backends):
-        assert Loader().ranking("bwd") == ["cutedsl", "tilelang"]
+        assert Loader().ranking("bwd") == ["tilelang", "cutedsl"]
     monkeypatch.setenv("DSA_AOT_BACKENDS", "cutedsl,triton")
     with pytest.raises(settings.SettingsError, match="DSA_AOT_BACKENDS=.*unknown backend 'triton'"):
         settings.Settings.from_env()

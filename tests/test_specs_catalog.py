@@ -42,7 +42,7 @@ def test_default_catalog_is_the_full_matrix():
     by_backend = {(op, b): sum(s.op == op and s.backend == b for s in specs)
                   for op in ("fwd", "bwd") for b in ("tilelang", "cutedsl")}
     assert set(by_backend.values()) == {per_op}
-    assert load_catalog().ranking == {"fwd": ["cutedsl", "tilelang"], "bwd": ["tilelang", "cutedsl"]}
+    assert load_catalog().ranking == {"fwd": ["cutedsl", "tilelang"], "bwd": ["cutedsl", "tilelang"]}
 
 
 def test_select_only_arch_and_shards_partition():
