@@ -56,8 +56,11 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.utils import hopper_helpers as sm90_utils
 
-#: Value head dim of MLA.
-D_V = 512
+from dsa_aot.kernels import cutedsl_common as common
+from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, HEAD_CHOICES, LAYOUTS, VEC,
+                                            acc_rows_cols, fake_tensor, run_time_sizes,
+                                            vec_stride, wg_rows_cols)
+
 #: Heads per CTA (MMA M of the score GEMMs) and top-k slots per block.
 BLOCK_H = 64
 BLOCK_N = 64
@@ -66,13 +69,7 @@ CHUNK = 64
 #: 8 warps: 4 along M, 2 along N of every GEMM.
 WARPS_M, WARPS_N = 4, 2
 THREADS = 32 * WARPS_M * WARPS_N
-#: bf16 elements per 16-byte copy.
-VEC = 8
 LOG2E = 1.4426950408889634
-#: Supported compile-time parameters.
-D_QK_CHOICES = (512, 576)
-HEAD_CHOICES = (16, 32, 64, 128)
-LAYOUTS = ("compact", "noncompact")
 #: fp32 values per dkv atomic: ``red.global.add.f32`` / ``.v2.f32`` / ``.v4.f32`` (sm_90+).
 ATOMIC_WIDTHS = (1, 2, 4)
 #: MMA flavours: warp-level ``mma.sync`` (any arch, the default) or sm_90a warpgroup MMA.
@@ -86,37 +83,12 @@ _INF = float("inf")
 
 def check_params(d_qk: int, heads: int, layout: str) -> None:
     """Raise ``ValueError`` naming the bad compile-time parameter."""
-    if d_qk not in D_QK_CHOICES:
-        raise ValueError(f"d_qk={d_qk!r}: the CuTe DSL backward supports {D_QK_CHOICES}")
-    if heads not in HEAD_CHOICES:
-        raise ValueError(f"heads={heads!r}: the CuTe DSL backward supports {HEAD_CHOICES}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r}: use one of {LAYOUTS}")
+    common.check_params(d_qk, heads, layout, "backward")
 
 
 def can_implement(d_qk: int, heads: int, layout: str) -> bool:
     """Whether this kernel supports the compile-time parameters (no exception)."""
     return d_qk in D_QK_CHOICES and heads in HEAD_CHOICES and layout in LAYOUTS
-
-
-def _acc_rows_cols(acc: cute.Tensor) -> cute.Tensor:
-    """A ``((2, 2), M, N)`` MMA accumulator (or its coordinate tensor) as ``(rows, cols)``."""
-    flat = cute.make_layout(acc.layout.shape)
-    rows_cols = cute.make_layout(((flat.shape[0][1], flat.shape[1]),
-                                  (flat.shape[0][0], flat.shape[2])),
-                                 stride=((flat.stride[0][1], flat.stride[1]),
-                                         (flat.stride[0][0], flat.stride[2])))
-    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, rows_cols))
-
-
-def _wg_rows_cols(acc: cute.Tensor) -> cute.Tensor:
-    """A warpgroup MMA accumulator ``((2, 2, V), M, N)`` (or its coordinates) as ``(rows, cols)``;
-    columns run over the value pair first, so ``(2 j, 2 j + 1)`` are adjacent columns."""
-    flat = cute.make_layout(acc.layout.shape)
-    sh, st = flat.shape, flat.stride
-    rows_cols = cute.make_layout(((sh[0][1], sh[1]), (sh[0][0], sh[0][2], sh[2])),
-                                 stride=((st[0][1], st[1]), (st[0][0], st[0][2], st[2])))
-    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, rows_cols))
 
 
 def _transposed(tensor: cute.Tensor, rows: int, cols: int) -> cute.Tensor:
@@ -347,7 +319,7 @@ class SparseMlaBwdMain:
         acc_dq = [cute.make_rmem_tensor(acc_shape, Float32) for _ in range(n_dq_chunks)]
         for c in cutlass.range_constexpr(n_dq_chunks):
             acc_dq[c].fill(0.0)
-        coords = _acc_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((BLOCK_H, BLOCK_N))))
+        coords = acc_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((BLOCK_H, BLOCK_N))))
         rows_per_thread = cute.size(coords, mode=[0])
         cols_per_thread = cute.size(coords, mode=[1])
 
@@ -387,8 +359,8 @@ class SparseMlaBwdMain:
 
             # P = exp2(s * scale * log2e - lse * log2e), masked slots -inf before the exp2;
             # dS = P * (dP - delta) * scale
-            acc_s_rc = _acc_rows_cols(acc_s)
-            acc_dp_rc = _acc_rows_cols(acc_dp)
+            acc_s_rc = acc_rows_cols(acc_s)
+            acc_dp_rc = acc_rows_cols(acc_dp)
             col_ok = [s_valid[buf + coords[0, j][1]] for j in range(cols_per_thread)]
             for r in cutlass.range_constexpr(rows_per_thread):
                 row = coords[r, 0][0]
@@ -452,7 +424,7 @@ class SparseMlaBwdMain:
                         cute.copy(copy_bt, t_s_dot[None, None, k], r_bt_v[None, None, 0])
                         cute.gemm(tiled_mma, acc_kv, r_pt[None, None, k], r_bt[None, None, 0],
                                   acc_kv)
-                self.scatter_chunk(_acc_rows_cols(acc_kv), coords, row_ok, row_ptr, c * CHUNK,
+                self.scatter_chunk(acc_rows_cols(acc_kv), coords, row_ok, row_ptr, c * CHUNK,
                                    lane)
 
         # ---- epilogue: dq in bf16 ------------------------------------------------------------
@@ -626,8 +598,8 @@ class SparseMlaBwdMain:
         acc_dq.fill(0.0)
         acc_shape = thr_s.partition_shape_C((BLOCK_H, BLOCK_N))
         kv_shape = thr_kv.partition_shape_C((BLOCK_N, WG_CHUNK))
-        coords = _wg_rows_cols(thr_s.partition_C(cute.make_identity_tensor((BLOCK_H, BLOCK_N))))
-        kv_coords = _wg_rows_cols(thr_kv.partition_C(cute.make_identity_tensor((BLOCK_N,
+        coords = wg_rows_cols(thr_s.partition_C(cute.make_identity_tensor((BLOCK_H, BLOCK_N))))
+        kv_coords = wg_rows_cols(thr_kv.partition_C(cute.make_identity_tensor((BLOCK_N,
                                                                                 WG_CHUNK))))
         rows_per_thread = cute.size(coords, mode=[0])
         cols_per_thread = cute.size(coords, mode=[1])
@@ -664,8 +636,8 @@ class SparseMlaBwdMain:
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
-            acc_s_rc = _wg_rows_cols(acc_s)
-            acc_dp_rc = _wg_rows_cols(acc_dp)
+            acc_s_rc = wg_rows_cols(acc_s)
+            acc_dp_rc = wg_rows_cols(acc_dp)
             col_ok = [s_valid[buf + coords[0, j][1]] for j in range(cols_per_thread)]
             for r in cutlass.range_constexpr(rows_per_thread):
                 row = coords[r, 0][0]
@@ -720,10 +692,10 @@ class SparseMlaBwdMain:
                                     t_s_kv, s_idx, s_valid, gmem_copy, row_in_pass, tidx)
                     cute.arch.cp_async_commit_group()
                 else:
-                    self.scatter_chunk(_wg_rows_cols(acc_kv[(c - 1) % 2]), kv_coords, row_ok,
+                    self.scatter_chunk(wg_rows_cols(acc_kv[(c - 1) % 2]), kv_coords, row_ok,
                                        row_ptr, (c - 1) * WG_CHUNK, lane)
             warpgroup.wait_group(0)
-            self.scatter_chunk(_wg_rows_cols(acc_kv[(n_chunks - 1) % 2]), kv_coords, row_ok,
+            self.scatter_chunk(wg_rows_cols(acc_kv[(n_chunks - 1) % 2]), kv_coords, row_ok,
                                row_ptr, (n_chunks - 1) * WG_CHUNK, lane,
                                d if d < d_pad else None)
 
@@ -869,15 +841,8 @@ def fake_arguments(d_qk: int, heads: int, layout: str) -> dict[str, object]:
     (16-byte aligned rows for the vector atomics), other strides any run-time value.
     """
     check_params(d_qk, heads, layout)
-    s_q = cute.sym_int32(symbol="s_q")
-    s_kv = cute.sym_int32(symbol="s_kv")
-    topk = cute.sym_int32(symbol="topk")
-
-    def vec_stride() -> object:
-        return cute.sym_int64(divisibility=VEC)
-
-    def fake(dtype: type, shape: tuple, stride: tuple, align: int) -> object:
-        return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=align)
+    s_q, s_kv, topk = run_time_sizes()
+    fake = fake_tensor
 
     args: dict[str, object] = {
         "q": fake(BFloat16, (s_q, heads, d_qk), (vec_stride(), vec_stride(), 1), 16),

@@ -53,38 +53,30 @@ from cutlass import BFloat16, Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.utils import hopper_helpers as sm90_utils
 
-#: Value head dim of MLA.
-D_V = 512
+from dsa_aot.kernels import cutedsl_common as common
+from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, HEAD_CHOICES, LAYOUTS, VEC,
+                                            acc_rows_cols, fake_tensor, quad_max, quad_sum,
+                                            run_time_sizes, vec_stride, wg_rows_cols)
+
 #: Heads per CTA (the MMA M tile) and gathered KV rows per block (the N tile of ``Q K^T``).
 BLOCK_H = 64
 BLOCK_N = 64
 #: 8 warps: 4 along the heads, 2 along the KV rows / value columns.
 WARPS_M, WARPS_N = 4, 2
 THREADS = 32 * WARPS_M * WARPS_N
-#: bf16 elements per 16-byte copy.
-VEC = 8
 #: KV rows one pass of the 16-byte copies covers (8 threads per 64-column slab).
 ROWS_PER_PASS = THREADS // (64 // VEC)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 #: Finite floor of the running max (base-2 units).
 M_FLOOR = -1.0e30
-#: Supported compile-time parameters.
-D_QK_CHOICES = (512, 576)
-HEAD_CHOICES = (16, 32, 64, 128)
-LAYOUTS = ("compact", "noncompact")
 
 _INF = float("inf")
 
 
 def check_params(d_qk: int, heads: int, layout: str) -> None:
     """Raise ``ValueError`` naming the bad compile-time parameter."""
-    if d_qk not in D_QK_CHOICES:
-        raise ValueError(f"d_qk={d_qk!r}: the CuTe DSL forward supports {D_QK_CHOICES}")
-    if heads not in HEAD_CHOICES:
-        raise ValueError(f"heads={heads!r}: the CuTe DSL forward supports {HEAD_CHOICES}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r}: use one of {LAYOUTS}")
+    common.check_params(d_qk, heads, layout, "forward")
 
 
 IMPLS = ("mma", "wgmma", "wgmma_pipe", "wgmma_ws")
@@ -276,7 +268,7 @@ class SparseMlaFwd:
         for c in cutlass.range_constexpr(n_chunks):
             acc_o[c].fill(0.0)
         c_s = thr_mma.partition_C(cute.make_identity_tensor((BLOCK_H, BLOCK_N)))
-        c_s_mn = _mn_view(c_s)
+        c_s_mn = acc_rows_cols(c_s)
         rows_per_thread = cute.size(c_s_mn, mode=[0])
         row_max = cute.make_rmem_tensor(rows_per_thread, Float32)
         row_sum = cute.make_rmem_tensor(rows_per_thread, Float32)
@@ -339,7 +331,7 @@ class SparseMlaFwd:
         # ---- epilogue ------------------------------------------------------------------------
         cute.arch.cp_async_wait_group(0)
         for r in cutlass.range_constexpr(rows_per_thread):
-            total = _quad_sum(row_sum[r])
+            total = quad_sum(row_sum[r])
             if lane % 4 == 0:
                 s_sum[warp_n * BLOCK_H + c_s_mn[r, 0][0]] = total
         cute.arch.barrier()
@@ -360,7 +352,7 @@ class SparseMlaFwd:
                                                                        fastmath=False))
                 factor = weight / total
             for c in cutlass.range_constexpr(n_chunks):
-                acc_mn = _mn_view(acc_o[c])
+                acc_mn = acc_rows_cols(acc_o[c])
                 acc_mn[r, None] = acc_mn[r, None].load() * factor
             if (warp_n == 0) & (lane % 4 == 0) & (head < heads):
                 m_lse[t, head] = lse_val
@@ -436,7 +428,7 @@ class SparseMlaFwd:
             cute.copy(_ldsm_b(tiled_mma), t_s_k_b[None, None, k], r_k_view[None, None, 0])
             cute.gemm(tiled_mma, acc_s, r_q[None, None, 0], r_k[None, None, 0], acc_s)
 
-        acc_s_mn = _mn_view(acc_s)
+        acc_s_mn = acc_rows_cols(acc_s)
         rows = cute.size(acc_s_mn, mode=[0])
         cols = cute.size(acc_s_mn, mode=[1])
         # mask invalid slots to -inf (before any exp), scale into base-2 units, partial max
@@ -449,7 +441,7 @@ class SparseMlaFwd:
                     val = Float32(-_INF)
                 acc_s_mn[r, j] = val
                 part = cute.arch.fmax(part, val)
-            part = _quad_max(part)
+            part = quad_max(part)
             if lane % 4 == 0:
                 s_max[warp_n * BLOCK_H + c_s_mn[r, 0][0]] = part
         cute.arch.barrier()
@@ -467,7 +459,7 @@ class SparseMlaFwd:
             row_sum[r] = row_sum[r] * corr + psum
             row_max[r] = m_new
             for c in cutlass.range_constexpr(len(acc_o)):
-                acc_mn = _mn_view(acc_o[c])
+                acc_mn = acc_rows_cols(acc_o[c])
                 acc_mn[r, None] = acc_mn[r, None].load() * corr
         # P (bf16) -> shared memory, then the A operand of P V
         r_pc = cute.make_fragment_like(acc_s, BFloat16)
@@ -606,7 +598,7 @@ class SparseMlaFwd:
         acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((BLOCK_H, D_V)), Float32)
         acc_o.fill(0.0)
         c_s = thr_s.partition_C(cute.make_identity_tensor((BLOCK_H, BLOCK_N)))
-        c_s_mn = _mn_view_wg(c_s)
+        c_s_mn = wg_rows_cols(c_s)
         c_o = thr_o.partition_C(cute.make_identity_tensor((BLOCK_H, D_V)))
         rows_per_thread = cute.size(c_s_mn, mode=[0])
         row_max = cute.make_rmem_tensor(rows_per_thread, Float32)
@@ -666,11 +658,11 @@ class SparseMlaFwd:
         # ---- epilogue ------------------------------------------------------------------------
         cute.arch.cp_async_wait_group(0)
         for r in cutlass.range_constexpr(rows_per_thread):
-            total = _quad_sum(row_sum[r])
+            total = quad_sum(row_sum[r])
             if lane % 4 == 0:
                 s_sum[wg * BLOCK_H + c_s_mn[r, 0][0]] = total
         cute.arch.barrier()
-        acc_o_mn = _mn_view_wg(acc_o)
+        acc_o_mn = wg_rows_cols(acc_o)
         for r in cutlass.range_constexpr(rows_per_thread):
             row = c_s_mn[r, 0][0]
             head = hb * BLOCK_H + row
@@ -725,7 +717,7 @@ class SparseMlaFwd:
         warpgroup.commit_group()
         warpgroup.wait_group(0)
 
-        acc_s_mn = _mn_view_wg(acc_s)
+        acc_s_mn = wg_rows_cols(acc_s)
         rows = cute.size(acc_s_mn, mode=[0])
         cols = cute.size(acc_s_mn, mode=[1])
         for r in cutlass.range_constexpr(rows):
@@ -737,7 +729,7 @@ class SparseMlaFwd:
                     val = Float32(-_INF)
                 acc_s_mn[r, j] = val
                 part = cute.arch.fmax(part, val)
-            part = _quad_max(part)
+            part = quad_max(part)
             if lane % 4 == 0:
                 s_max[wg * BLOCK_H + c_s_mn[r, 0][0]] = part
         cute.arch.barrier()
@@ -747,7 +739,7 @@ class SparseMlaFwd:
                 self.gather(idx0, idx1, s_kv, t_g_kv, row_stride, t_s_kv[None, None, None, nxt],
                             s_valid_all, nxt * BLOCK_N, gmem_copy, row_in_pass, tidx)
             cute.arch.cp_async_commit_group()
-        acc_o_mn = _mn_view_wg(acc_o)
+        acc_o_mn = wg_rows_cols(acc_o)
         for r in cutlass.range_constexpr(rows):
             row = c_s_mn[r, 0][0]
             m_blk = cute.arch.fmax(s_max[row], s_max[BLOCK_H + row])
@@ -952,8 +944,8 @@ class SparseMlaFwd:
             acc_o = cute.make_rmem_tensor(thr_o.partition_shape_C((BLOCK_H, half)), Float32)
             acc_o.fill(0.0)
             c_o = thr_o.partition_C(cute.make_identity_tensor((BLOCK_H, half)))
-            c_o_mn = _mn_view_wg(c_o)
-            acc_o_mn = _mn_view_wg(acc_o)
+            c_o_mn = wg_rows_cols(c_o)
+            acc_o_mn = wg_rows_cols(acc_o)
             rows = cute.size(c_o_mn, mode=[0])
             if wg == 0:
                 # ---- scores (all 64 columns), online softmax, left half of P V, lse --------
@@ -962,7 +954,7 @@ class SparseMlaFwd:
                 r_q = mma_s.make_fragment_A(wg_s.partition_A(s_q))       # (MMA, 1, D/16)
                 r_k = mma_s.make_fragment_B(wg_s.partition_B(s_kv_all))  # (MMA, 1, D/16, st)
                 thr_s = mma_s.get_slice(wtid)
-                c_s_mn = _mn_view_wg(thr_s.partition_C(cute.make_identity_tensor((BLOCK_H,
+                c_s_mn = wg_rows_cols(thr_s.partition_C(cute.make_identity_tensor((BLOCK_H,
                                                                                   bn))))
                 row_max = cute.make_rmem_tensor(rows, Float32)
                 row_sum = cute.make_rmem_tensor(rows, Float32)
@@ -985,7 +977,7 @@ class SparseMlaFwd:
                                   acc_s)
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
-                    acc_s_mn = _mn_view_wg(acc_s)
+                    acc_s_mn = wg_rows_cols(acc_s)
                     cols = cute.size(acc_s_mn, mode=[1])
                     alpha = cute.make_rmem_tensor(rows, Float32)
                     for r in cutlass.range_constexpr(rows):
@@ -996,7 +988,7 @@ class SparseMlaFwd:
                                 val = Float32(-_INF)
                             acc_s_mn[r, j] = val
                             m_blk = cute.arch.fmax(m_blk, val)
-                        m_blk = _quad_max(m_blk)
+                        m_blk = quad_max(m_blk)
                         m_old = row_max[r]
                         m_new = cute.arch.fmax(m_old, m_blk)
                         corr = cute.math.exp2(m_old - m_new, fastmath=True)
@@ -1030,7 +1022,7 @@ class SparseMlaFwd:
                 for r in cutlass.range_constexpr(rows):
                     row = c_o_mn[r, 0][0]
                     head = hb * BLOCK_H + row
-                    total = _quad_sum(row_sum[r])
+                    total = quad_sum(row_sum[r])
                     lse_val = Float32(_INF)
                     factor = Float32(0.0)
                     if total > Float32(0.0):
@@ -1111,39 +1103,6 @@ def _ldsm_bt(tiled_mma: cute.TiledMma) -> cute.TiledCopy:
         tiled_mma)
 
 
-def _mn_view(acc: cute.Tensor) -> cute.Tensor:
-    """An MMA accumulator ``((2, 2), M, N)`` viewed as ``(rows, cols)`` of this thread."""
-    shape = acc.layout.shape
-    col_major = cute.make_layout(shape)
-    mn = cute.make_layout(((col_major.shape[0][1], col_major.shape[1]),
-                           (col_major.shape[0][0], col_major.shape[2])),
-                          stride=((col_major.stride[0][1], col_major.stride[1]),
-                                  (col_major.stride[0][0], col_major.stride[2])))
-    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
-
-
-
-def _mn_view_wg(acc: cute.Tensor) -> cute.Tensor:
-    """A warpgroup MMA accumulator ``((2, 2, V), M, N)`` viewed as ``(rows, cols)``."""
-    col_major = cute.make_layout(acc.layout.shape)
-    sh, st = col_major.shape, col_major.stride
-    mn = cute.make_layout(((sh[0][1], sh[1]), (sh[0][0], sh[0][2], sh[2])),
-                          stride=((st[0][1], st[1]), (st[0][0], st[0][2], st[2])))
-    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
-
-
-def _quad_max(val: Float32) -> Float32:
-    for offset in (2, 1):
-        val = cute.arch.fmax(val, cute.arch.shuffle_sync_bfly(val, offset=offset))
-    return val
-
-
-def _quad_sum(val: Float32) -> Float32:
-    for offset in (2, 1):
-        val = val + cute.arch.shuffle_sync_bfly(val, offset=offset)
-    return val
-
-
 class SparseMlaFwdCompact(SparseMlaFwd):
     """Entry point of the compact layout (``topk_length`` given)."""
 
@@ -1172,15 +1131,8 @@ def fake_arguments(d_qk: int, heads: int, layout: str) -> dict[str, object]:
     bf16 tensors (16-byte aligned rows for ``cp.async``).
     """
     check_params(d_qk, heads, layout)
-    s_q = cute.sym_int32(symbol="s_q")
-    s_kv = cute.sym_int32(symbol="s_kv")
-    topk = cute.sym_int32(symbol="topk")
-
-    def vec_stride() -> object:
-        return cute.sym_int64(divisibility=VEC)
-
-    def fake(dtype: type, shape: tuple, stride: tuple, align: int) -> object:
-        return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=align)
+    s_q, s_kv, topk = run_time_sizes()
+    fake = fake_tensor
 
     args: dict[str, object] = {
         "q": fake(BFloat16, (s_q, heads, d_qk), (vec_stride(), vec_stride(), 1), 16),

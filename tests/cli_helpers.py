@@ -26,3 +26,12 @@ def sm_of_elf(data: bytes) -> int:
     """The SM number a CUDA ELF (cubin) is built for, from its e_flags."""
     assert data[:4] == b"\x7fELF"
     return (struct.unpack_from("<I", data, 48)[0] >> 8) & 0xFF
+
+
+def embedded_cubin(obj: bytes) -> bytes:
+    """The device ELF embedded in an exported host object (the second ELF magic in the file)."""
+    start = obj.find(b"\x7fELF", 1)
+    assert start > 0, "no embedded cubin"
+    shoff, = struct.unpack_from("<Q", obj, start + 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", obj, start + 0x3A)
+    return obj[start:start + shoff + shentsize * shnum]

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import embedded_cubin
 
 from dsa_aot.cutedsl_backend import (
     DSL_RUNTIME_LIB,
@@ -44,15 +45,6 @@ _needs_dsl = pytest.mark.skipif(_DSL_VERSION is None, reason="needs nvidia-cutla
 
 def _version_tuple(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in text.split(".")[:2] if p.isdigit())
-
-
-def _embedded_cubin(obj: bytes) -> bytes:
-    """The device ELF embedded in an exported host object (the second ELF magic in the file)."""
-    start = obj.find(b"\x7fELF", 1)
-    assert start > 0, "no embedded cubin"
-    shoff, = struct.unpack_from("<Q", obj, start + 0x28)
-    shentsize, shnum = struct.unpack_from("<HH", obj, start + 0x3A)
-    return obj[start:start + shoff + shentsize * shnum]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +89,7 @@ def test_build_export_link(built: dict, arch: str) -> None:
         lib = (folder / rec.library).read_bytes()
         assert lib[:4] == b"\x7fELF" and DSL_RUNTIME_LIB.encode() in lib  # DT_NEEDED entry
         assert rec.symbols.entry.encode() in lib
-        flags, = struct.unpack_from("<I", _embedded_cubin((folder / rec.object_file).read_bytes()),
+        flags, = struct.unpack_from("<I", embedded_cubin((folder / rec.object_file).read_bytes()),
                                     0x30)
         assert int(arch[3:-1]) in (flags & 0xFF, (flags >> 8) & 0xFF)  # e_flags carry the SM
         (runtime,) = rec.runtime_libs
@@ -118,13 +110,13 @@ def test_isfinite_choice_changes_the_cubin(built: dict, arch: str) -> None:
     auto = built[f"cutedsl_bwd_preprocess_{arch}_isfinite"]
     forced = built[f"cutedsl_bwd_preprocess_{arch}_infcmp"]
     assert auto.use_isfinite is True and forced.use_isfinite is False
-    cubin_auto = _embedded_cubin((_dir(built, auto.name) / auto.object_file).read_bytes())
-    cubin_forced = _embedded_cubin((_dir(built, forced.name) / forced.object_file).read_bytes())
+    cubin_auto = embedded_cubin((_dir(built, auto.name) / auto.object_file).read_bytes())
+    cubin_forced = embedded_cubin((_dir(built, forced.name) / forced.object_file).read_bytes())
     assert cubin_auto != cubin_forced
     if arch == "sm_90a":  # same flag under another name: the identical cubin (deterministic)
         again = built["renamed_isfinite"]
         assert again.symbols.entry != auto.symbols.entry
-        assert _embedded_cubin((_dir(built, again.name) / again.object_file).read_bytes()) \
+        assert embedded_cubin((_dir(built, again.name) / again.object_file).read_bytes()) \
             == cubin_auto
 
 

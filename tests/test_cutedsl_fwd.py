@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import embedded_cubin
 from pydantic import ValidationError
 
 from dsa_aot.cutedsl_backend import (
@@ -70,14 +71,6 @@ def fwd_request(arch: str, d_qk: int, heads: int, layout: str, kv_stages: int | 
                         link="static_cudart", kv_stages=kv_stages, impl=impl)
 
 
-def _embedded_cubin(obj: bytes) -> bytes:
-    start = obj.find(b"\x7fELF", 1)
-    assert start > 0, "no embedded cubin"
-    shoff, = struct.unpack_from("<Q", obj, start + 0x28)
-    shentsize, shnum = struct.unpack_from("<HH", obj, start + 0x3A)
-    return obj[start:start + shoff + shentsize * shnum]
-
-
 # ---------------------------------------------------------------------------------------------
 # CPU: build, record, frame, errors
 # ---------------------------------------------------------------------------------------------
@@ -109,7 +102,7 @@ def test_fwd_builds_for_every_arch(cpu_built: dict, variant: tuple) -> None:
     lib = (folder / rec.library).read_bytes()
     assert lib[:4] == b"\x7fELF" and b"libcute_dsl_runtime" not in lib  # self-contained
     assert rec.symbols.entry.encode() in lib
-    flags, = struct.unpack_from("<I", _embedded_cubin((folder / rec.object_file).read_bytes()),
+    flags, = struct.unpack_from("<I", embedded_cubin((folder / rec.object_file).read_bytes()),
                                 0x30)
     assert int(arch[3:-1]) in (flags & 0xFF, (flags >> 8) & 0xFF)
     assert [a.name for a in rec.args] == TENSORS[layout] + ["softmax_scale", "stream"]
@@ -250,7 +243,7 @@ def test_wgmma_ws_builds(tmp_path: Path) -> None:
             "wgmma_ws", 2, d_qk, heads, layout)
         assert rec.name == fwd_name("sm_90a", d_qk, heads, layout, None, "wgmma_ws")
         assert [a.name for a in rec.args] == TENSORS[layout] + ["softmax_scale", "stream"]
-        cubin = _embedded_cubin((tmp_path / rec.name / rec.object_file).read_bytes())
+        cubin = embedded_cubin((tmp_path / rec.name / rec.object_file).read_bytes())
         flags, = struct.unpack_from("<I", cubin, 0x30)
         assert 90 in (flags & 0xFF, (flags >> 8) & 0xFF)
         assert b"kernel_ws" in cubin

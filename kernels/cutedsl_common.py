@@ -1,0 +1,84 @@
+"""Building blocks shared by the CuTe DSL sparse MLA kernels (forward, backward main).
+
+Compile-time parameter checks, the accumulator views the online softmax and the epilogues
+index by (row, column), quad reductions, and the dynamic-shape stand-ins every kernel is
+compiled over. Everything here is traced into the kernels at compile time; nothing runs on
+its own.
+
+This module imports ``cutlass``: use it in a build process only.
+"""
+
+from __future__ import annotations
+
+import cutlass.cute as cute
+from cutlass import Float32
+
+#: Value head dim of MLA.
+D_V = 512
+#: bf16 elements per 16-byte copy.
+VEC = 8
+#: Supported compile-time parameters.
+D_QK_CHOICES = (512, 576)
+HEAD_CHOICES = (16, 32, 64, 128)
+LAYOUTS = ("compact", "noncompact")
+
+
+def check_params(d_qk: int, heads: int, layout: str, kernel: str) -> None:
+    """Raise ``ValueError`` naming the bad compile-time parameter of ``kernel``."""
+    if d_qk not in D_QK_CHOICES:
+        raise ValueError(f"d_qk={d_qk!r}: the CuTe DSL {kernel} supports {D_QK_CHOICES}")
+    if heads not in HEAD_CHOICES:
+        raise ValueError(f"heads={heads!r}: the CuTe DSL {kernel} supports {HEAD_CHOICES}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: use one of {LAYOUTS}")
+
+
+def acc_rows_cols(acc: cute.Tensor) -> cute.Tensor:
+    """A warp-level MMA accumulator ``((2, 2), M, N)`` (or its coordinates) as ``(rows, cols)``
+    of this thread."""
+    flat = cute.make_layout(acc.layout.shape)
+    rows_cols = cute.make_layout(((flat.shape[0][1], flat.shape[1]),
+                                  (flat.shape[0][0], flat.shape[2])),
+                                 stride=((flat.stride[0][1], flat.stride[1]),
+                                         (flat.stride[0][0], flat.stride[2])))
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, rows_cols))
+
+
+def wg_rows_cols(acc: cute.Tensor) -> cute.Tensor:
+    """A warpgroup MMA accumulator ``((2, 2, V), M, N)`` (or its coordinates) as ``(rows, cols)``;
+    columns run over the value pair first, so ``(2 j, 2 j + 1)`` are adjacent columns."""
+    flat = cute.make_layout(acc.layout.shape)
+    sh, st = flat.shape, flat.stride
+    rows_cols = cute.make_layout(((sh[0][1], sh[1]), (sh[0][0], sh[0][2], sh[2])),
+                                 stride=((st[0][1], st[1]), (st[0][0], st[0][2], st[2])))
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, rows_cols))
+
+
+def quad_max(val: Float32) -> Float32:
+    """Max over the 4 lanes of a quad (the threads sharing an accumulator row)."""
+    for offset in (2, 1):
+        val = cute.arch.fmax(val, cute.arch.shuffle_sync_bfly(val, offset=offset))
+    return val
+
+
+def quad_sum(val: Float32) -> Float32:
+    """Sum over the 4 lanes of a quad."""
+    for offset in (2, 1):
+        val = val + cute.arch.shuffle_sync_bfly(val, offset=offset)
+    return val
+
+
+def run_time_sizes() -> tuple[object, object, object]:
+    """Symbolic ``s_q``, ``s_kv`` and ``topk``: one compiled kernel serves every value."""
+    return (cute.sym_int32(symbol="s_q"), cute.sym_int32(symbol="s_kv"),
+            cute.sym_int32(symbol="topk"))
+
+
+def vec_stride() -> object:
+    """A run-time stride that is a multiple of 8 bf16 elements (16-byte aligned rows)."""
+    return cute.sym_int64(divisibility=VEC)
+
+
+def fake_tensor(dtype: type, shape: tuple, stride: tuple, align: int) -> object:
+    """A dynamic-shape stand-in the kernel is compiled over (``align``: bytes of the base)."""
+    return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=align)
