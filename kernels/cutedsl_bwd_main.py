@@ -41,8 +41,10 @@ from shared memory (K-major tiles, and MN-major views of the same bytes for the 
 operands); dq and dkv advance 128 columns per step (D_qk 576 is padded to 640: the padding
 columns read the neighbouring buffer, land in accumulator columns >= 576 and are never stored),
 and the dkv chunk GEMMs alternate between two accumulators so chunk c's MMAs overlap chunk
-c - 1's atomics. It compiles for every variant but has not been run on a GPU yet: keep the
-default ``impl="mma"`` until ``tests/test_cutedsl_bwd_main.py -m gpu`` has passed for it.
+c - 1's atomics. On the H200 it passes ``tests/test_cutedsl_bwd_main.py -m gpu`` (every case
+and edge case) and runs 10.7 ms at H64 D576 K2048 and 9.7 ms at H128 D512 K1024 (``mma``: 11.5
+and 10.4; without the atomics 6.4 ms against 9.2); it stays opt-in until it has also run
+through the public API and the benchmark.
 
 This module imports ``cutlass``: use it in a build process only.
 """
