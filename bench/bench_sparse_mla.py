@@ -47,6 +47,23 @@ def _served_by(op: str, heads: int, d_qk: int) -> str:
     return "none"
 
 
+def run_forced(op: str, backend: str, call, heads: int, d_qk: int, topk: int, reps: int):
+    """``call()`` with only ``backend`` allowed: (its first result, median ms), or None (logged)
+    when that backend has no artifact for the shape or another one served it."""
+    with settings.scope(backends=(backend,)):
+        try:
+            first = call()
+        except MissingPrebuiltError as exc:
+            print(f"{op}  h{heads} d{d_qk} k{topk}: {backend} skipped: {exc}", flush=True)
+            return None
+        served = _served_by(op, heads, d_qk)
+        if served != backend:
+            print(f"{op}  h{heads} d{d_qk} k{topk}: {backend} not available (served by {served}); "
+                  "skipped", flush=True)
+            return None
+        return first, time_cuda(call, reps=reps)
+
+
 REF_ROWS = 256
 
 
@@ -77,22 +94,13 @@ def main() -> int:
     peer = peer_bwd()
     for s_q, s_kv, h, d, k in FWD_SHAPES if "fwd" in args.ops else []:
         x = make_inputs(s_q, s_kv, h, d, k)
+        ref_out, ref_lse = reference(x)  # once per shape; every backend is checked against it
         for backend in args.fwd_backends:
-            with settings.scope(backends=(backend,)):  # that backend or its fallback, never another
-                def ours():
-                    return dsa_aot.sparse_mla_fwd(x["q"], x["kv"], x["topk_idxs"], attn_sink=x["attn_sink"])
-                try:
-                    out, lse = ours()
-                except MissingPrebuiltError as exc:
-                    print(f"fwd  h{h} d{d} k{k}: {backend} skipped: {exc}", flush=True)
-                    continue
-                served = _served_by("fwd", h, d)
-                if served != backend:
-                    print(f"fwd  h{h} d{d} k{k}: {backend} not available (served by {served}); skipped",
-                          flush=True)
-                    continue
-                ref_out, ref_lse = reference(x)
-                ms = time_cuda(ours, reps=args.reps)
+            run = run_forced("fwd", backend, lambda: dsa_aot.sparse_mla_fwd(
+                x["q"], x["kv"], x["topk_idxs"], attn_sink=x["attn_sink"]), h, d, k, args.reps)
+            if run is None:
+                continue
+            (out, lse), ms = run
             tf = fwd_flops(s_q, h, k, d) / ms / 1e9
             records.append({"op": "fwd", "backend": f"dsa-aot/{backend}", "s_q": s_q, "s_kv": s_kv, "heads": h,
                             "d_qk": d, "topk": k, "ms": round(ms, 4), "tflops": round(tf, 1),
@@ -110,21 +118,12 @@ def main() -> int:
             peer_res = theirs()  # JIT compile happens here
             peer_ms = time_cuda(theirs, reps=args.reps)
         for backend in args.bwd_backends:
-            with settings.scope(backends=(backend,)):
-                def ours():
-                    return dsa_aot.sparse_mla_bwd(x["q"], x["kv"], out, x["dout"], lse, x["topk_idxs"],
-                                                  attn_sink=x["attn_sink"])
-                try:
-                    mine = ours()
-                except MissingPrebuiltError as exc:
-                    print(f"bwd  h{h} d{d} k{k}: {backend} skipped: {exc}", flush=True)
-                    continue
-                served = _served_by("bwd", h, d)
-                if served != backend:
-                    print(f"bwd  h{h} d{d} k{k}: {backend} not available (served by {served}); skipped",
-                          flush=True)
-                    continue
-                ms = time_cuda(ours, reps=args.reps)
+            run = run_forced("bwd", backend, lambda: dsa_aot.sparse_mla_bwd(
+                x["q"], x["kv"], out, x["dout"], lse, x["topk_idxs"], attn_sink=x["attn_sink"]),
+                h, d, k, args.reps)
+            if run is None:
+                continue
+            mine, ms = run
             tf = bwd_flops(s_q, h, k, d) / ms / 1e9
             rec = {"op": "bwd", "backend": f"dsa-aot/{backend}", "s_q": s_q, "s_kv": s_kv, "heads": h,
                    "d_qk": d, "topk": k, "ms": round(ms, 4), "tflops": round(tf, 1), "peer": None,
