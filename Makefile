@@ -33,7 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_sparse_mla.py --out bench/results/h200.json
 
 compat: $(STAMP)
-	$(BIN)/dsa-aot compat --jobs $(JOBS)
+	$(BIN)/python tools/compat.py --jobs $(JOBS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

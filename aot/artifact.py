@@ -1,96 +1,61 @@
-"""What a cache entry holds for one spec: the manifest (JSON payload) and its stage files.
+"""What a cache entry holds for one spec: the manifest (JSON payload of ``meta.json``) and its files.
 
-A stage is one kernel of an op, stored as one file in one of two formats:
+A stage is one kernel of an op, stored as one file in a backend-defined ``format`` with that
+backend's own launch record (a JSON object validated by the backend when it loads the stage:
+a TileLang ``LaunchRecord`` for a cubin, a CuTe DSL ``CuteExportRecord`` for a linked library).
+The manifest also records who built it and for what runtime:
 
-* ``cubin``: a CUDA binary plus its :class:`~dsa_aot.launch.LaunchRecord`, launched by
-  :class:`~dsa_aot.launch.CubinKernel` (TileLang kernels);
-* ``cutedsl_so``: a self-contained shared library exported from CuTe DSL (host launcher with the
-  cubin embedded, CUDA runtime linked in statically) plus its
-  :class:`~dsa_aot.cutedsl_backend.CuteExportRecord`, run by
-  :class:`~dsa_aot.cutedsl_runtime.CuteDslKernel`.
+* ``build``: the spec's :class:`~dsa_aot.specs.keys.BuildIdentity` (compilers by content, nvcc,
+  the exact source files the build imported); its hash is the entry's key;
+* ``runtime``: the :class:`~dsa_aot.specs.keys.RuntimeIdentity` a process must have to load the
+  entry without compilers (our runtime code, the kernel sources, arch, host, CUDA driver floor).
 
-The ``format`` field tags the stage; each format carries exactly its own record.
+This module imports no backend, so no backend's key depends on another's records.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dsa_aot.cutedsl_backend import CuteExportRecord
-from dsa_aot.launch import LaunchRecord
+from dsa_aot.backends.base import StageArtifact
+from dsa_aot.specs.keys import BuildIdentity, RuntimeIdentity
 from dsa_aot.specs.models import KernelSpec
-
-if TYPE_CHECKING:
-    from dsa_aot.specs.toolchain import Toolchain
-
-
-class CubinStage(BaseModel):
-    """One compiled kernel as a cubin plus how to launch it."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    name: str
-    format: Literal["cubin"] = "cubin"
-    file: str
-    launch: LaunchRecord
-
-
-class CuteDslStage(BaseModel):
-    """One CuTe DSL kernel exported and linked into a shared library (``dlopen``-ed at load)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    name: str
-    format: Literal["cutedsl_so"] = "cutedsl_so"
-    file: str
-    cute: CuteExportRecord
-
-    @model_validator(mode="after")
-    def _record_matches_stage(self) -> CuteDslStage:
-        if self.cute.kernel != self.name:
-            raise ValueError(f"stage {self.name!r} holds a record of kernel {self.cute.kernel!r}")
-        if not self.file.endswith(".so"):
-            raise ValueError(f"stage {self.name!r}: file {self.file!r} is not a shared library (.so)")
-        return self
-
-
-#: A stage of any format, told apart by its ``format`` field.
-StageArtifact = Annotated[Union[CubinStage, CuteDslStage], Field(discriminator="format")]
 
 
 class ArtifactManifest(BaseModel):
     """The payload of a cache entry's ``meta.json``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    format: Literal["dsa-aot.artifact.v1"] = "dsa-aot.artifact.v1"
+    format: Literal["dsa-aot.artifact.v2"] = "dsa-aot.artifact.v2"
     spec: KernelSpec
-    fingerprint: str
+    key: str = Field(description="BuildIdentity.key(): the entry's key directory")
+    build: BuildIdentity
+    runtime: RuntimeIdentity
     stages: tuple[StageArtifact, ...] = Field(min_length=1)
+    cuda_driver_min: str | None = Field(None, description="CUDA release of the toolkit that built "
+                                        "it (e.g. '13.0'): the driver must support at least this")
     build_seconds: float
-    sources: dict[str, str] = {}  # stage -> CUDA source file name, kept for inspection
+    sources: dict[str, str] = {}  # stage -> generated source file name, kept for inspection
     features: dict[str, bool | None] = Field(
         default_factory=dict,
         description="feature-probed code paths the stages were compiled with, e.g. "
-        "{'cute_math_isfinite': True}; the toolchain fingerprint keys the compilers that decide them")
-    toolchain: dict[str, Any] | None = Field(
-        None, description="the builder's Toolchain (JSON) whose fingerprint keys this entry; a "
-        "process without a CUDA toolkit recognises the builder's key by it (see dsa_aot.loader)")
-
-    def stamped(self, toolchain: Toolchain) -> ArtifactManifest:
-        """This manifest with the builder's ``toolchain`` recorded (it must be the keyed one)."""
-        if toolchain.fingerprint != self.fingerprint:
-            raise ValueError(f"toolchain {toolchain.fingerprint} is not the manifest's {self.fingerprint}")
-        return self.model_copy(update={"toolchain": toolchain.model_dump(mode="json")})
+        "{'cute_math_isfinite': True}; the compilers that decide them are in the key")
 
     @model_validator(mode="after")
-    def _unique_stage_files(self) -> ArtifactManifest:
+    def _consistent(self) -> ArtifactManifest:
         names = [s.name for s in self.stages]
         files = [s.file for s in self.stages]
         if len(set(names)) != len(names) or len(set(files)) != len(files):
             raise ValueError(f"stage names {names} and files {files} must be unique")
+        if self.build.key() != self.key:
+            raise ValueError(f"key {self.key} is not the hash of its build identity ({self.build.key()})")
+        if (self.runtime.arch, self.build.backend) != (self.spec.arch, self.spec.backend):
+            raise ValueError("the identities describe another arch or backend than the spec")
         return self
 
-    def stage(self, name: str) -> CubinStage | CuteDslStage:
+    def stage(self, name: str) -> StageArtifact:
         for st in self.stages:
             if st.name == name:
                 return st

@@ -37,33 +37,60 @@ def _store(args):
     return ArtifactStore(args.cache_dir or cfg.cache_dir, lock_timeout_s=cfg.lock_timeout_s)
 
 
-def _fingerprint(store=None) -> str:
-    """This toolchain's key; for ``store``, the key its entries are looked up under (the
-    builder's, in a process without a CUDA toolkit: see :func:`dsa_aot.loader.builder_fingerprint`)."""
+def _fingerprint() -> str:
+    """The installed compiler toolchain's fingerprint (for the status line)."""
     from dsa_aot.specs.toolchain import Toolchain
 
-    if store is None:
-        return Toolchain.current().fingerprint
-    from dsa_aot.loader import builder_fingerprint
+    return Toolchain.current().fingerprint
 
-    return builder_fingerprint(store, Toolchain.current())
+
+def _catalog_specs(args) -> list:
+    from dsa_aot.specs.catalog import load_catalog, select
+
+    return select(load_catalog(args.catalog).specs(), archs=_archs(args.arch), only=getattr(args, "only", None))
+
+
+def _served_keys(store, specs) -> set[str]:
+    """Keys of ``store`` that this process would serve or build for ``specs`` (what gc keeps)."""
+    from dsa_aot.loader import Loader
+
+    loader, keys = Loader(), set()
+    for spec in specs:
+        key = loader.key_of(spec)
+        if key is not None:
+            keys.add(key)
+        match = loader.find(store, spec)
+        if match is not None:
+            keys.add(match.entry.meta.fingerprint)
+    return keys
 
 
 def cmd_prebuild(args) -> int:
+    import os
+
     from dsa_aot.prebuild import format_summary, prebuild
 
-    summary = prebuild(archs=_archs(args.arch), only=args.only, shard=args.shard, jobs=args.jobs,
-                       catalog_path=args.catalog, root=args.cache_dir, progress=not args.quiet)
-    print(format_summary(summary))
+    # With --json, stdout carries the summary alone: until then, whatever the build prints
+    # (this process, or the compiler workers, which inherit the descriptor) goes to stderr.
+    saved = None
+    if args.json:
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    try:
+        summary = prebuild(archs=_archs(args.arch), only=args.only, shard=args.shard, jobs=args.jobs,
+                           catalog_path=args.catalog, root=args.cache_dir, progress=not args.quiet)
+    finally:
+        if saved is not None:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+    print(json.dumps(summary.as_dict(), indent=1) if args.json else format_summary(summary))
     return 0 if summary.ok else 1
 
 
 def cmd_list(args) -> int:
-    from dsa_aot import registry
-    from dsa_aot.specs.catalog import load_catalog, select
-
-    specs = select(load_catalog(args.catalog).specs(registry.implemented()), archs=_archs(args.arch),
-                   only=args.only)
+    specs = _catalog_specs(args)
     if args.json:
         print(json.dumps([{"id": s.id, **s.model_dump(mode="json")} for s in specs], indent=1))
     else:
@@ -73,21 +100,21 @@ def cmd_list(args) -> int:
 
 
 def _states(args) -> dict[str, str]:
-    from dsa_aot import registry
-    from dsa_aot.specs.catalog import load_catalog, select
+    """Per catalog spec: ``cached`` (a store would serve it here), ``stale`` (stored, but built by
+    another toolchain or dsa-aot), ``failed`` (quarantined) or ``missing``."""
+    from dsa_aot.cache.store import ArtifactStore
+    from dsa_aot.loader import Loader
 
     cfg = _settings.get()
-    from dsa_aot.cache.store import ArtifactStore
-
     stores = [ArtifactStore(r, read_only=True) for r in cfg.prebuilt_dirs] + [_store(args)]
-    fps = [_fingerprint(s) for s in stores]
-    quarantine = [p.name for s in stores if (s.root / ".quarantine").is_dir() for p in (s.root / ".quarantine").iterdir()]
-    states = {}
-    for spec in select(load_catalog(args.catalog).specs(registry.implemented()), archs=_archs(args.arch),
-                       only=args.only):
-        if any(s.lookup(fp, spec.arch, spec.id) is not None for s, fp in zip(stores, fps)):
+    quarantine = [q for s in stores for q in s.quarantined()]
+    loader, states = Loader(), {}
+    for spec in _catalog_specs(args):
+        if any(loader.find(s, spec) is not None for s in stores):
             states[spec.id] = "cached"
-        elif any(f"{fp}.{spec.arch}.{spec.id}." in q for fp in fps for q in quarantine):
+        elif any(next(s.candidates(spec.arch, spec.id), None) is not None for s in stores):
+            states[spec.id] = "stale"
+        elif any(f".{spec.arch}.{spec.id}." in q for q in quarantine):
             states[spec.id] = "failed"
         else:
             states[spec.id] = "missing"
@@ -101,7 +128,7 @@ def cmd_status(args) -> int:
     else:
         for spec_id, state in states.items():
             print(f"{state:<8} {spec_id}")
-        counts = {s: list(states.values()).count(s) for s in ("cached", "missing", "failed")}
+        counts = {s: list(states.values()).count(s) for s in ("cached", "stale", "missing", "failed")}
         print(f"toolchain {_fingerprint()}: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
     return 0
 
@@ -125,7 +152,7 @@ def cmd_verify(args) -> int:
 
 def cmd_gc(args) -> int:
     store = _store(args)
-    keep = None if args.all else _fingerprint(store)
+    keep = set() if args.all else _served_keys(store, _catalog_specs(args))
     report = store.gc(keep, args.max_bytes if args.max_bytes is not None else _settings.get().cache_max_bytes)
     print(f"removed {len(report.removed_fingerprints)} other toolchains, {len(report.removed_entries)} LRU entries; "
           f"freed {report.freed_bytes / 2**20:.1f} MiB, {report.remaining_bytes / 2**20:.1f} MiB remain")
@@ -136,8 +163,8 @@ def cmd_export(args) -> int:
     from dsa_aot.cache.bundle import export_bundle
 
     store = _store(args)
-    keys = export_bundle(store, Path(args.file), fingerprint=None if args.all_toolchains else _fingerprint(store),
-                         archs=_archs(args.arch))
+    keys = export_bundle(store, Path(args.file), keys=None if args.all_toolchains else
+                         _served_keys(store, _catalog_specs(args)), archs=_archs(args.arch))
     print(f"exported {len(keys)} entries to {args.file}")
     return 0
 
@@ -150,8 +177,42 @@ def cmd_import(args) -> int:
     return 0
 
 
+def _backend_report(tc) -> dict[str, object]:
+    """Per backend: whether this process can build (and so key by build key) or serves by
+    runtime identity, and the compilers its keys cover."""
+    from dsa_aot.backends import BACKENDS
+    from dsa_aot.identity import can_key_builds, installed_compilers
+
+    out = {}
+    for name, backend in BACKENDS.items():
+        why = can_key_builds(backend, tc)
+        out[name] = {"lookup_rule": "build key" if why is None else "runtime identity",
+                     "why": why, "compilers": [d.model_dump(mode="json") for d in installed_compilers(backend, tc)]}
+    return out
+
+
+def _would_serve(args, cfg) -> dict[str, object]:
+    """For the first catalog spec of each arch and op: the stored entry the loader would serve."""
+    from dsa_aot.cache.store import ArtifactStore
+    from dsa_aot.loader import Loader
+
+    stores = [ArtifactStore(r, read_only=True) for r in (*cfg.prebuilt_dirs, cfg.cache_dir)]
+    loader, out = Loader(), {}
+    for spec in _catalog_specs(args):
+        label = f"{spec.op}-{spec.arch}-{spec.backend}"
+        if label in out:
+            continue
+        match = next((m for m in (loader.find(s, spec) for s in stores) if m is not None), None)
+        out[label] = ({"spec": spec.id, "entry": f"{match.store.root}/{match.entry.key}", "rule": match.rule}
+                      if match else {"spec": spec.id, "entry": None,
+                                     "then": "JIT" if cfg.jit and not cfg.require_prebuilt else
+                                     "error (DSA_AOT_REQUIRE_PREBUILT=1)" if cfg.require_prebuilt
+                                     else "next backend or the torch reference"})
+    return out
+
+
 def cmd_doctor(args) -> int:
-    from dsa_aot.cache.store import ArtifactStore, shared_writable_reason
+    from dsa_aot.cache.store import shared_writable_reason
     from dsa_aot.loader import get_loader
     from dsa_aot.prebuild import default_archs, detect_gpu_archs
     from dsa_aot.specs.toolchain import Toolchain
@@ -159,37 +220,19 @@ def cmd_doctor(args) -> int:
     cfg = _settings.get()
     tc = Toolchain.current()
     report = {"toolchain": tc.model_dump(mode="json"), "fingerprint": tc.fingerprint,
+              "backends": _backend_report(tc),
               "gpu_archs": detect_gpu_archs(), "prebuild_archs": default_archs(),
               "settings": {k: str(v) for k, v in vars(cfg).items()},
               "cache_roots": [{"root": str(r), "read_only": r != cfg.cache_dir, "exists": Path(r).is_dir(),
-                               "unsafe": shared_writable_reason(Path(r)),
-                               "looked_up_under": _fingerprint(ArtifactStore(r, read_only=True))}
+                               "unsafe": shared_writable_reason(Path(r))}
                               for r in (*cfg.prebuilt_dirs, cfg.cache_dir)]}
     if args.probes:
         report["features"] = get_loader().features().model_dump(mode="json")
     states = _states(args)
-    report["catalog"] = {s: list(states.values()).count(s) for s in ("cached", "missing", "failed")}
-    report["loader_would_pick"] = {
-        arch: ("prebuilt/cache artifact" if states.get(f"fwd-{arch}-d576-h64-noncompact-tilelang") == "cached"
-               else "JIT" if cfg.jit and not cfg.require_prebuilt else
-               "error (DSA_AOT_REQUIRE_PREBUILT=1)" if cfg.require_prebuilt else "torch reference")
-        for arch in ("sm_90a", "sm_100a")}
+    report["catalog"] = {s: list(states.values()).count(s) for s in ("cached", "stale", "missing", "failed")}
+    report["loader_would_serve"] = _would_serve(args, cfg)
     print(json.dumps(report, indent=1, default=str))
     return 0
-
-
-def cmd_compat(args) -> int:
-    from dsa_aot import compat
-
-    if args.merge:
-        report = compat.merge_reports(args.merge)
-    else:
-        report = compat.run_compat(args.matrix, envs_dir=args.envs_dir, slice_name=args.slice,
-                                   toolchains=args.toolchain, shard=args.shard, only=args.only, jobs=args.jobs)
-    paths = compat.write_report(report, args.out)
-    print(compat.format_summary(report))
-    print("wrote " + " and ".join(str(p) for p in paths))
-    return 1 if report.problems else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -208,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--jobs", "-j", type=int, default=1, help="parallel compiler processes")
     sp.add_argument("--shard", type=_shard, default=None, help="build shard i of n (1-based), e.g. 2/4")
     sp.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    sp.add_argument("--json", action="store_true",
+                    help="print the summary as JSON on stdout (key, root, wall time, per spec: "
+                         "id, status, seconds, message); progress and build output go to stderr")
     sp.set_defaults(func=cmd_prebuild)
     sp = sub.add_parser("list", help="list catalog specs")
     common(sp)
@@ -240,17 +286,6 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp)
     sp.add_argument("--probes", action="store_true", help="also run/read the feature probes")
     sp.set_defaults(func=cmd_doctor)
-    sp = sub.add_parser("compat", help="per toolchain of a matrix: own venv, probes, prebuild; report")
-    sp.add_argument("--matrix", type=Path, default=None, help="matrix TOML (default: packaged compat_matrix.toml)")
-    sp.add_argument("--slice", default=None, help="run a [slices.NAME] of the matrix, e.g. ci")
-    sp.add_argument("--toolchain", action="append", metavar="GLOB", help="toolchain name glob (repeatable)")
-    sp.add_argument("--shard", type=_shard, default=None, help="run toolchain shard i of n (1-based), e.g. 1/3")
-    sp.add_argument("--only", action="append", metavar="GLOB", help="spec id glob (repeatable; default: the matrix's)")
-    sp.add_argument("--envs-dir", type=Path, default=Path(".compat-envs"), help="cached virtualenvs (reused)")
-    sp.add_argument("--out", type=Path, default=Path("docs/compat"), help="writes OUT.json and OUT.md")
-    sp.add_argument("--jobs", "-j", type=int, default=None, help="prebuild jobs (default: the matrix's)")
-    sp.add_argument("--merge", nargs="+", type=Path, metavar="JSON", help="merge shard reports, run nothing")
-    sp.set_defaults(func=cmd_compat)
     return p
 
 

@@ -2,16 +2,21 @@
 
 Lookup order for a call shape, over the backends of the catalog's ranking:
   1. each backend's stored artifact, in ranking order: the read-only prebuilt roots
-     (``DSA_AOT_PREBUILT_DIR``), then the writable cache (``DSA_AOT_CACHE_DIR``), under the
-     current toolchain fingerprint; every file is sha256-checked before it is loaded, a bad
-     entry is quarantined and counts as a miss;
+     (``DSA_AOT_PREBUILT_DIR``), then the writable cache (``DSA_AOT_CACHE_DIR``). Which entry
+     matches depends on what is installed (see :func:`Loader.find`):
+     * the spec's compilers are installed: the entry under the spec's build key (compilers by
+       content, nvcc, exactly the sources its build imports); an entry of the same spec built
+       by another toolchain is stale and logged as such;
+     * they are not (a serving image): an entry whose recorded runtime identity (our runtime
+       code, the spec's kernel sources, arch, host) equals this process's, and whose builder
+       used the same version of any compiler part that is installed here.
+     Every file is sha256-checked before it is loaded; a bad entry is quarantined and misses;
   2. none stored: ``DSA_AOT_REQUIRE_PREBUILT=1`` raises :class:`MissingPrebuiltError`; else JIT
-     compile each backend in ranking order (unless ``DSA_AOT_JIT=0``, or the compiler or a
-     probed feature is missing), publish into the writable cache under a per-key file lock,
-     and load;
+     each backend in ranking order through :func:`dsa_aot.build.build_and_publish` (unless
+     ``DSA_AOT_JIT=0``, or a compiler or probed feature is missing);
   3. finally the torch reference, with a loud warning.
-Each fallback step is logged once per process with its reason. Nothing here imports a
-compiler unless a JIT build actually runs.
+Each step is logged once per process with its reason. Nothing here imports a compiler unless a
+JIT build actually runs.
 """
 
 from __future__ import annotations
@@ -20,20 +25,16 @@ import logging
 import threading
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from dsa_aot import settings as _settings
 from dsa_aot.artifact import ArtifactManifest
-from dsa_aot.backends import BACKENDS, BuildError, ReferenceBackend
-from dsa_aot.cache.store import (META, ArtifactStore, CacheError, CorruptArtifact, Entry, mkdirs,
-                                  shared_writable_reason)
-from dsa_aot.launch import CudaError
-from dsa_aot.specs.models import KernelSpec
+from dsa_aot.backends import BACKENDS, BuildError, CudaError, KernelBackend, ReferenceBackend
+from dsa_aot.cache.store import META, ArtifactStore, CacheError, CorruptArtifact, Entry, shared_writable_reason
+from dsa_aot.specs.keys import RuntimeIdentity
+from dsa_aot.specs.models import KernelSpec, arch_of_capability  # noqa: F401  (re-exported)
 
 log = logging.getLogger("dsa_aot")
-
-_CAPABILITY_ARCH = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
 
 
 class MissingPrebuiltError(RuntimeError):
@@ -42,10 +43,6 @@ class MissingPrebuiltError(RuntimeError):
 
 class UnsupportedDeviceError(RuntimeError):
     """The GPU's architecture has no kernels (only sm_90a and sm_100a are built)."""
-
-
-def arch_of_capability(major: int, minor: int) -> str | None:
-    return _CAPABILITY_ARCH.get((major, minor))
 
 
 def prebuild_command(spec: KernelSpec) -> str:
@@ -59,6 +56,16 @@ class Resolution:
     spec: KernelSpec
     source: str  # "prebuilt:<root>", "cache:<root>", "jit:<root>", "jit:memory", "reference"
     reasons: tuple[str, ...] = ()
+    rule: str = ""  # "build key" or "runtime identity" for a stored hit
+
+
+@dataclass(frozen=True)
+class Match:
+    """A stored entry the loader may serve, and the rule that matched it."""
+
+    store: ArtifactStore
+    entry: Entry
+    rule: str
 
 
 class Loader:
@@ -71,7 +78,7 @@ class Loader:
         self._features = None
         self._stores: list[ArtifactStore] | None = None
         self._ranking: dict[str, list[str]] | None = None
-        self._store_fps: dict[Path, str] = {}
+        self._keys: dict[str, tuple[str | None, str | None]] = {}
 
     # -- environment -----------------------------------------------------------------------
     def toolchain(self):
@@ -82,17 +89,8 @@ class Loader:
         return self._toolchain
 
     def fingerprint(self) -> str:
+        """The installed compiler toolchain's fingerprint (probes are kept per fingerprint)."""
         return self.toolchain().fingerprint
-
-    def fingerprint_in(self, store: ArtifactStore) -> str:
-        """The key to look up in ``store`` (see :func:`builder_fingerprint`), once per root."""
-        fp = self._store_fps.get(store.root)
-        if fp is None:
-            fp = self._store_fps[store.root] = builder_fingerprint(store, self.toolchain())
-            if fp != self.fingerprint():
-                self._once(f"no CUDA toolkit here; using the artifacts in {store.root} keyed "
-                           f"{fp} by the builder whose toolchain matches this one otherwise")
-        return fp
 
     def stores(self) -> list[ArtifactStore]:
         """Read-only prebuilt roots first, then the writable cache root."""
@@ -125,9 +123,7 @@ class Loader:
             if store is None:  # nowhere to keep the results: probe for this process only
                 self._features = run_probes(["sm_90a", "sm_100a"])
             else:
-                mkdirs(store.root / self.fingerprint())  # 0755, like the entries that will live there
-                self._features = load_or_probe(store.root / self.fingerprint() / "features.json",
-                                               ["sm_90a", "sm_100a"])
+                self._features = load_or_probe(store.features_path(self.fingerprint()), ["sm_90a", "sm_100a"])
         return self._features
 
     def ranking(self, op: str) -> list[str]:
@@ -144,33 +140,84 @@ class Loader:
         """Forget everything derived from settings and the environment."""
         with self._lock:
             self._toolchain = self._features = self._stores = self._ranking = None
-            self._store_fps = {}
+            self._keys = {}
 
     def _once(self, message: str, level: int = logging.INFO) -> None:
         if message not in self._logged:
             self._logged.add(message)
             log.log(level, "dsa-aot: %s", message)
 
+    # -- which entry a spec may be served from ------------------------------------------------
+    def key_of(self, spec: KernelSpec) -> str | None:
+        """The spec's build key, or None when this process cannot compute it (no compiler, an
+        unreadable key input): it then looks entries up by runtime identity."""
+        if spec.id not in self._keys:
+            from dsa_aot.identity import build_identity, can_key_builds
+
+            backend = BACKENDS[spec.backend]
+            why = can_key_builds(backend, self.toolchain())
+            self._keys[spec.id] = (None, why) if why else (build_identity(backend, spec, self.toolchain()).key(), None)
+        return self._keys[spec.id][0]
+
+    def find(self, store: ArtifactStore, spec: KernelSpec) -> Match | None:
+        """The entry of ``spec`` that ``store`` may serve to this process, or None.
+
+        With the spec's compilers installed, only the entry under its build key; one built by
+        another toolchain is reported stale. Without them, the newest entry whose runtime
+        identity is this process's and whose builder agrees with every compiler part installed
+        here (e.g. the same TileLang in an image without a CUDA toolkit).
+        """
+        from dsa_aot.identity import recorded_compilers_agree, runtime_identity
+
+        key = self.key_of(spec)
+        if key is not None:
+            entry = store.lookup(key, spec.arch, spec.id)
+            if entry is not None:
+                return Match(store, entry, "build key")
+            for other in store.candidates(spec.arch, spec.id):
+                self._once(f"stale: {other.key} in {store.root} was built by another toolchain or "
+                           f"from other sources than this process's (key {key}); not used")
+                break
+            return None
+        backend = BACKENDS[spec.backend]
+        mine = runtime_identity(backend, spec)
+        for entry in store.candidates(spec.arch, spec.id):
+            why = self._runtime_mismatch(backend, entry, mine)
+            if why is None:
+                self._once(f"{spec.id}: serving {entry.key} by runtime identity ("
+                           f"{self._keys[spec.id][1]}, so its build key cannot be computed here)")
+                return Match(store, entry, "runtime identity")
+            self._once(f"not serving {entry.key}: {why}")
+        return None
+
+    def _runtime_mismatch(self, backend: KernelBackend, entry: Entry, mine: RuntimeIdentity) -> str | None:
+        from dsa_aot.identity import recorded_compilers_agree
+        from dsa_aot.specs.keys import BuildIdentity
+
+        try:
+            recorded = RuntimeIdentity.model_validate(entry.meta.payload.get("runtime"))
+            build = BuildIdentity.model_validate(entry.meta.payload.get("build"))
+        except ValueError:
+            return "its manifest records no runtime identity (built by an older dsa-aot)"
+        field = mine.mismatch(recorded)
+        if field is not None:
+            return f"its {field} differs from this process's (another dsa-aot, other kernel sources or host)"
+        return recorded_compilers_agree(backend, build, self.toolchain())
+
     # -- lookup ------------------------------------------------------------------------------
-    def try_load(self, spec: KernelSpec, device_index: int) -> tuple[Any, str] | None:
-        """A loaded kernel from the first store holding a verified artifact, or None.
+    def try_load(self, spec: KernelSpec, device_index: int) -> tuple[Any, str, str] | None:
+        """``(kernel, source, rule)`` from the first store holding a verified artifact, or None.
 
         Artifact problems (missing, corrupt, unloadable) are a logged miss, never an exception.
         """
-        toolchain = self.toolchain()
-        if not getattr(toolchain, "complete", True):
-            why = "; ".join(toolchain.incomplete_reasons)
-            self._once(f"toolchain fingerprint incomplete ({why}); disk cache skipped",
-                       logging.WARNING)
-            return None
         for store in self.stores():
-            entry = store.lookup(self.fingerprint_in(store), spec.arch, spec.id)
-            if entry is None:
+            match = self.find(store, spec)
+            if match is None:
                 continue
-            kernel = self._load_entry(store, entry, device_index)
+            kernel = self._load_entry(store, match.entry, device_index)
             if kernel is not None:
                 kind = "prebuilt" if store.read_only else "cache"
-                return kernel, f"{kind}:{store.root}"
+                return kernel, f"{kind}:{store.root}", match.rule
         return None
 
     def _load_entry(self, store: ArtifactStore, entry: Entry, device_index: int) -> Any | None:
@@ -183,12 +230,12 @@ class Loader:
                     return None
         try:
             manifest = ArtifactManifest.model_validate(entry.meta.payload)
-            if (manifest.spec.id, manifest.spec.arch, manifest.fingerprint) != (
+            if (manifest.spec.id, manifest.spec.arch, manifest.key) != (
                     entry.meta.spec_id, entry.meta.arch, entry.meta.fingerprint):
-                raise CorruptArtifact(f"{entry.key}: its manifest describes {manifest.fingerprint}/"
+                raise CorruptArtifact(f"{entry.key}: its manifest describes {manifest.key}/"
                                       f"{manifest.spec.arch}/{manifest.spec.id}")
-            backend = BACKENDS[manifest.spec.backend]
-            kernel = backend.load(manifest, lambda name: store.read_file(entry, name), device_index)
+            kernel = BACKENDS[manifest.spec.backend].load(
+                manifest, lambda name: store.read_file(entry, name), device_index)
         except CorruptArtifact as exc:
             store.quarantine(entry, str(exc))
             self._once(f"refused {entry.key}: {exc}", logging.WARNING)
@@ -200,32 +247,22 @@ class Loader:
         return kernel
 
     def build_and_load(self, spec: KernelSpec, device_index: int) -> tuple[Any, str]:
-        """JIT: compile ``spec``, publish it (under the key's lock), load it. Raises BuildError."""
-        backend = BACKENDS[spec.backend]
-        store = self.writable_store() if self.toolchain().complete else None  # never file under a weak key
-        fingerprint = self.fingerprint()
+        """JIT: :func:`~dsa_aot.build.build_and_publish`, then load. Raises BuildError."""
+        from dsa_aot.build import build_and_publish
+
+        store = self.writable_store()
         if store is None:
-            self._once(f"no writable cache root (or an incomplete toolchain key); {spec.id} is compiled "
-                       "in memory only", logging.WARNING)
-            built = backend.build(spec, fingerprint)
-            return backend.load(built.manifest, built.files.__getitem__, device_index), "jit:memory"
-        with store.lock(fingerprint, spec.arch, spec.id):
-            entry = store.lookup(fingerprint, spec.arch, spec.id)  # another process may have won
-            if entry is not None:
-                kernel = self._load_entry(store, entry, device_index)
-                if kernel is not None:
-                    return kernel, f"cache:{store.root}"
-            store.sweep_staging()  # debris of builders that died mid-publish
+            self._once(f"no writable cache root; {spec.id} is compiled in memory only", logging.WARNING)
+        else:
             self._once(f"JIT compiling {spec.id} (run `{prebuild_command(spec)}` at image build time to avoid this)")
-            built = backend.build(spec, fingerprint)
-            try:
-                entry = store.publish(fingerprint, spec.arch, spec.id, built.files,
-                                      built.manifest.stamped(self.toolchain()).model_dump(mode="json"))
-            except (OSError, CacheError) as exc:
-                self._once(f"could not store {spec.id} in {store.root}: {exc}; using it from memory",
-                           logging.WARNING)
-                return backend.load(built.manifest, built.files.__getitem__, device_index), "jit:memory"
-        return backend.load(built.manifest, lambda n: store.read_file(entry, n), device_index), f"jit:{store.root}"
+        done = build_and_publish(store, spec, self.toolchain())
+        if done.error:
+            self._once(f"could not store {spec.id} in {store.root}: {done.error}; using it from memory",
+                       logging.WARNING)
+        kernel = BACKENDS[spec.backend].load(done.manifest, done.read(store), device_index)
+        source = {"built": f"jit:{store.root if store else ''}", "cached": f"cache:{store.root if store else ''}",
+                  "memory": "jit:memory"}[done.status]
+        return kernel, source
 
     def resolve(self, op: str, arch: str, d_qk: int, heads: int, layout: str, device_index: int) -> tuple[Any, Resolution]:
         """The kernel to run for one call shape, walking the fallback chain.
@@ -234,8 +271,6 @@ class Loader:
         compiled: a prebuilt kernel of the second backend beats a JIT build of the first.
         """
         with self._lock:
-            cfg = _settings.get()
-            reasons: list[str] = []
             specs = [KernelSpec(op=op, arch=arch, d_qk=d_qk, heads=heads, layout=layout, backend=name)
                      for name in self.ranking(op) if BACKENDS[name].implements(op)]
             for spec in specs:
@@ -243,94 +278,60 @@ class Loader:
                 if hit is not None:
                     if spec is not specs[0]:
                         self._once(f"{specs[0].id} is not stored; using the stored {spec.id}")
-                    return hit[0], Resolution(spec, hit[1], tuple(reasons))
-            if cfg.require_prebuilt and specs:
-                wanted = " or ".join(s.id for s in specs)
-                raise MissingPrebuiltError(
-                    f"no prebuilt artifact for {wanted} (toolchain {self.fingerprint()}) in "
-                    f"{[str(s.root) for s in self.stores()]}; DSA_AOT_REQUIRE_PREBUILT=1 forbids compiling "
-                    f"at run time. Fix: run `{prebuild_command(specs[0])}` in the image build "
-                    f"(same toolchain), or unset DSA_AOT_REQUIRE_PREBUILT.")
-            for spec in specs:
-                reason = self._jit_blocker(spec)
-                if reason is None:
-                    try:
-                        kernel, source = self.build_and_load(spec, device_index)
-                        return kernel, Resolution(spec, source, tuple(reasons))
-                    except (BuildError, OSError, CacheError, TimeoutError) as exc:
-                        reason = f"JIT build of {spec.id} failed: {exc}"
-                    except CudaError as exc:  # e.g. a driver too old for the fresh cubin
-                        reason = f"JIT-built {spec.id} could not be loaded: {exc}"
-                reasons.append(reason)
-                self._once(f"{spec.id}: {reason}; trying the next backend", logging.WARNING)
-            first_spec = specs[0] if specs else None
-            spec = first_spec or KernelSpec(op=op, arch=arch, d_qk=d_qk, heads=heads, layout=layout)
-            message = (f"no compiled kernel for {spec.id} ({'; '.join(reasons) or 'no backend'}); "
-                       "falling back to the slow torch reference. "
-                       f"Run `{prebuild_command(spec)}` to fix.")
-            if message not in self._logged:
-                self._logged.add(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=3)
-                log.warning("dsa-aot: %s", message)
-            return ReferenceBackend.kernel(op), Resolution(spec, "reference", tuple(reasons))
+                    return hit[0], Resolution(spec, hit[1], (), hit[2])
+            if _settings.get().require_prebuilt and specs:
+                raise MissingPrebuiltError(self._missing_message(specs))
+            return self._jit_or_reference(op, arch, d_qk, heads, layout, specs, device_index)
+
+    def _missing_message(self, specs: list[KernelSpec]) -> str:
+        wanted = " or ".join(s.id for s in specs)
+        return (f"no prebuilt artifact for {wanted} in {[str(s.root) for s in self.stores()]} that "
+                "this process may serve (see the log for stale or mismatched entries); "
+                "DSA_AOT_REQUIRE_PREBUILT=1 forbids compiling at run time. Fix: run "
+                f"`{prebuild_command(specs[0])}` in the image build with this dsa-aot version, or "
+                "unset DSA_AOT_REQUIRE_PREBUILT.")
+
+    def _jit_or_reference(self, op: str, arch: str, d_qk: int, heads: int, layout: str,
+                          specs: list[KernelSpec], device_index: int) -> tuple[Any, Resolution]:
+        reasons: list[str] = []
+        for spec in specs:
+            reason = self._jit_blocker(spec)
+            if reason is None:
+                try:
+                    kernel, source = self.build_and_load(spec, device_index)
+                    return kernel, Resolution(spec, source, tuple(reasons))
+                except (BuildError, OSError, CacheError, TimeoutError) as exc:
+                    reason = f"JIT build of {spec.id} failed: {exc}"
+                except CudaError as exc:  # e.g. a driver too old for the fresh cubin
+                    reason = f"JIT-built {spec.id} could not be loaded: {exc}"
+            reasons.append(reason)
+            self._once(f"{spec.id}: {reason}; trying the next backend", logging.WARNING)
+        spec = specs[0] if specs else KernelSpec(op=op, arch=arch, d_qk=d_qk, heads=heads, layout=layout)
+        message = (f"no compiled kernel for {spec.id} ({'; '.join(reasons) or 'no backend'}); "
+                   "falling back to the slow torch reference. "
+                   f"Run `{prebuild_command(spec)}` to fix.")
+        if message not in self._logged:
+            self._logged.add(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            log.warning("dsa-aot: %s", message)
+        return ReferenceBackend.kernel(op), Resolution(spec, "reference", tuple(reasons))
 
     def _jit_blocker(self, spec: KernelSpec) -> str | None:
+        from dsa_aot.build import build_blocker
+
         if not _settings.get().jit:
             return "not prebuilt and DSA_AOT_JIT=0"
+        from dsa_aot.identity import can_key_builds
+
         backend = BACKENDS[spec.backend]
-        reason = backend.can_build()
+        reason = can_key_builds(backend, self.toolchain())
         if reason:
             return f"not prebuilt and cannot JIT: {reason}"
         try:
             features = self.features()
         except Exception as exc:
             return f"feature probes failed: {exc}"
-        return backend.unsupported_reason(spec, features)
-
-
-_NVCC_FIELDS = {"nvcc_version": None, "cuda_driver_min": None}
-
-
-def builder_fingerprint(store: ArtifactStore, toolchain: Any) -> str:
-    """The fingerprint whose entries ``store`` should serve to a process with ``toolchain``.
-
-    Normally ``toolchain.fingerprint``. A runtime image often has no CUDA toolkit (cubins need
-    only the driver), so its toolchain cannot know which nvcc built the artifacts and its key
-    differs from the builder's. Then, and only then (``nvcc_version`` is None), the builder's
-    key is used: the first fingerprint folder (sorted) whose entries record a toolchain equal to
-    this one in every field but the nvcc version. Anything else differing (the compiler
-    packages, our kernel sources) still misses.
-    """
-    if toolchain.nvcc_version is not None:
-        return toolchain.fingerprint
-    try:
-        folders = sorted(p for p in store.root.iterdir() if not p.name.startswith(".") and p.is_dir())
-    except OSError:
-        return toolchain.fingerprint
-    mine = toolchain.model_copy(update=_NVCC_FIELDS)
-    for folder in folders:
-        recorded = _recorded_toolchain(store, folder)
-        if (recorded is not None and recorded.fingerprint == folder.name
-                and recorded.model_copy(update=_NVCC_FIELDS) == mine):
-            return folder.name
-    return toolchain.fingerprint
-
-
-def _recorded_toolchain(store: ArtifactStore, folder: Path) -> Any | None:
-    """The builder's toolchain recorded by the first readable entry under ``folder``."""
-    from dsa_aot.specs.toolchain import Toolchain
-
-    try:
-        arch_dirs = sorted(p for p in folder.iterdir() if p.is_dir())
-        for arch_dir in arch_dirs:
-            for spec_dir in sorted(p for p in arch_dir.iterdir() if p.is_dir()):
-                entry = store.lookup(folder.name, arch_dir.name, spec_dir.name)
-                recorded = entry.meta.payload.get("toolchain") if entry is not None else None
-                if isinstance(recorded, dict):
-                    return Toolchain.model_validate(recorded)
-    except (OSError, CacheError, ValueError):
-        return None
-    return None
+        return build_blocker(backend, spec, self.toolchain(), features)
 
 
 _LOADER: Loader | None = None

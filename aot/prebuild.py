@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from dsa_aot import registry
 from dsa_aot import settings as _settings
-from dsa_aot.backends import BACKENDS, BuildError, first_error_line
+from dsa_aot.backends import get as get_backend
+from dsa_aot.backends.base import BuildError, first_error_line
 from dsa_aot.cache.store import ArtifactStore
 from dsa_aot.specs.catalog import Catalog, load_catalog, select
-from dsa_aot.specs.models import KernelSpec
+from dsa_aot.specs.models import KernelSpec, arch_of_capability
 
 Status = Literal["built", "cached", "failed", "skipped-by-feature"]
 
@@ -49,11 +49,25 @@ class Summary:
     def ok(self) -> bool:
         return self.count("failed") == 0
 
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready form (``dsa-aot prebuild --json``): the key fields, counts and one row per spec."""
+        from dataclasses import fields
+
+        out: dict[str, object] = {"schema_version": 1}
+        for f in fields(self):  # fingerprint, root and any other key field the summary carries
+            if f.name not in ("outcomes", "wall_s"):
+                value = getattr(self, f.name)
+                out[f.name] = str(value) if isinstance(value, Path) else value
+        out["wall_seconds"] = round(self.wall_s, 3)
+        out["ok"] = self.ok
+        out["counts"] = {s: self.count(s) for s in ("built", "cached", "failed", "skipped-by-feature")}
+        out["specs"] = [{"id": o.spec_id, "status": o.status, "seconds": round(o.seconds, 3),
+                         "message": o.message} for o in self.outcomes]
+        return out
+
 
 def detect_gpu_archs() -> list[str]:
     """Archs of the visible GPUs, via the driver API (no torch import); empty without a GPU."""
-    from dsa_aot.loader import arch_of_capability
-
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:
@@ -88,35 +102,31 @@ def _init_worker(arch: str) -> None:
 
 
 def build_one(spec_json: str, root: str, fingerprint: str, lock_timeout_s: float) -> Outcome:
-    """Worker: build one spec and publish it (runs in a worker process)."""
+    """Worker: build one spec and publish it (runs in a worker process of one arch)."""
+    from dsa_aot.build import build_and_publish
     from dsa_aot.specs.toolchain import Toolchain
 
     spec = KernelSpec.model_validate_json(spec_json)
     start = time.perf_counter()
     toolchain = Toolchain.current()
-    here = toolchain.fingerprint
-    if here != fingerprint:
-        return Outcome(spec.id, "failed", 0.0, f"worker toolchain {here} differs from parent {fingerprint}")
-    store = ArtifactStore(root, lock_timeout_s=lock_timeout_s)
+    if toolchain.fingerprint != fingerprint:
+        return Outcome(spec.id, "failed", 0.0,
+                       f"worker toolchain {toolchain.fingerprint} differs from parent {fingerprint}")
     try:
-        with store.lock(fingerprint, spec.arch, spec.id):
-            if store.lookup(fingerprint, spec.arch, spec.id) is not None:
-                return Outcome(spec.id, "cached", time.perf_counter() - start)
-            built = BACKENDS[spec.backend].build(spec, fingerprint)
-            store.publish(fingerprint, spec.arch, spec.id, built.files,
-                          built.manifest.stamped(toolchain).model_dump(mode="json"))
+        done = build_and_publish(ArtifactStore(root, lock_timeout_s=lock_timeout_s), spec, toolchain)
     except BuildError as exc:
         return Outcome(spec.id, "failed", time.perf_counter() - start, str(exc))
     except Exception as exc:
         return Outcome(spec.id, "failed", time.perf_counter() - start,
                        f"{type(exc).__name__}: {first_error_line(exc)}")
-    return Outcome(spec.id, "built", time.perf_counter() - start)
+    if done.status == "memory":
+        return Outcome(spec.id, "failed", time.perf_counter() - start, f"built but not stored: {done.error}")
+    return Outcome(spec.id, done.status, time.perf_counter() - start)
 
 
 def plan(catalog: Catalog, archs: list[str], only: list[str] | None,
          shard: tuple[int, int] | None) -> list[KernelSpec]:
-    specs = catalog.specs(implemented=registry.implemented())
-    return select(specs, archs=archs, only=only, shard=shard)
+    return select(catalog.specs(), archs=archs, only=only, shard=shard)
 
 
 def prebuild(*, archs: list[str] | None = None, only: list[str] | None = None,
@@ -124,39 +134,38 @@ def prebuild(*, archs: list[str] | None = None, only: list[str] | None = None,
              catalog_path: Path | None = None, root: Path | None = None,
              progress: bool = True) -> Summary:
     """Build every selected spec that is not cached yet; never raises for a single spec."""
+    from dsa_aot.build import build_blocker
+    from dsa_aot.identity import build_identity, can_key_builds
+    from dsa_aot.specs.probes import load_or_probe
     from dsa_aot.specs.toolchain import Toolchain
 
     start = time.perf_counter()
     cfg = _settings.get()
     toolchain = Toolchain.current()
-    if not getattr(toolchain, "complete", True):
-        raise RuntimeError("cannot key the cache: " + "; ".join(toolchain.incomplete_reasons))
-    fingerprint = toolchain.fingerprint
     store = ArtifactStore(root or cfg.cache_dir, lock_timeout_s=cfg.lock_timeout_s)
     if not store.writable():
         raise RuntimeError(f"cache root {store.root} is not writable; set DSA_AOT_CACHE_DIR or --cache-dir")
     store.sweep_staging()
-    summary = Summary(fingerprint=fingerprint, root=store.root)
+    summary = Summary(fingerprint=toolchain.fingerprint, root=store.root)
     specs = plan(load_catalog(catalog_path), archs or default_archs(), only, shard)
-    todo = []
+    todo, features = [], None
     for spec in specs:
-        if store.lookup(fingerprint, spec.arch, spec.id) is not None:
+        backend = get_backend(spec.backend)
+        reason = can_key_builds(backend, toolchain)
+        if reason is None and store.lookup(build_identity(backend, spec, toolchain).key(), spec.arch,
+                                           spec.id) is not None:
             summary.outcomes.append(Outcome(spec.id, "cached"))
+            continue
+        if reason is None:
+            if features is None:
+                features = load_or_probe(store.features_path(toolchain.fingerprint),
+                                         sorted({s.arch for s in specs}))
+            reason = build_blocker(backend, spec, toolchain, features)
+        if reason:
+            summary.outcomes.append(Outcome(spec.id, "skipped-by-feature", message=reason))
         else:
             todo.append(spec)
-    if todo:
-        from dsa_aot.specs.probes import load_or_probe
-
-        features = load_or_probe(store.root / fingerprint / "features.json", sorted({s.arch for s in todo}))
-        buildable = []
-        for spec in todo:
-            backend = BACKENDS[spec.backend]
-            reason = backend.can_build() or backend.unsupported_reason(spec, features)
-            if reason:
-                summary.outcomes.append(Outcome(spec.id, "skipped-by-feature", message=reason))
-            else:
-                buildable.append(spec)
-        _build_all(buildable, store, fingerprint, jobs or 1, cfg.lock_timeout_s, summary, progress)
+    _build_all(todo, store, toolchain.fingerprint, jobs or 1, cfg.lock_timeout_s, summary, progress)
     order = {s.id: i for i, s in enumerate(specs)}
     summary.outcomes.sort(key=lambda o: order.get(o.spec_id, 0))
     summary.wall_s = time.perf_counter() - start

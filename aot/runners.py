@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 
-from dsa_aot.cutedsl_runtime import CuteDslKernel
-from dsa_aot.launch import CubinKernel
 from dsa_aot.specs.models import D_V, KernelSpec
+
+if TYPE_CHECKING:
+    from dsa_aot.backends.cutedsl.runtime import CuteDslKernel
+    from dsa_aot.backends.tilelang.launch import CubinKernel
 
 
 class FwdKernel(ABC):

@@ -1,5 +1,8 @@
-"""Every ``DSA_AOT_*`` environment variable, typed, in one place.
+"""Every environment variable the package reads, typed, in one place.
 
+``DSA_AOT_*`` variables, plus the few of other tools whose meaning we share: ``CUDA_HOME`` /
+``CUDA_PATH`` (the toolkit), ``CC`` (the linker driver for CuTe DSL libraries) and TileLang's
+path overrides (which make the key incomplete when they point outside TileLang).
 Read through :func:`get`; tests override with :func:`scope`. Values are parsed once per
 process (and again after :func:`scope` or :func:`reload`), never on the per-call hot path.
 """
@@ -13,8 +16,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 ARCHS = ("sm_90a", "sm_100a")
-#: Backends that compile kernels (``specs.models.Backend``); the reference is always last.
-BACKEND_NAMES = ("tilelang", "cutedsl")
+#: TileLang reads templates, headers and libraries from these when set.
+TILELANG_PATH_VARS = ("TL_TEMPLATE_PATH", "TL_CUTLASS_PATH", "TVM_LIBRARY_PATH", "TVM_IMPORT_PYTHON_PATH")
 
 
 class SettingsError(ValueError):
@@ -76,10 +79,21 @@ def _backends(name: str) -> tuple[str, ...] | None:
     if raw is None or raw.strip() == "":
         return None
     names = tuple(dict.fromkeys(b for b in raw.replace(",", " ").split() if b))
+    from dsa_aot.backends import names as backend_names  # the installed backend subpackages
+
+    known = backend_names()
     for backend in names:
-        if backend not in BACKEND_NAMES:
-            raise SettingsError(f"{name}={raw!r}: unknown backend {backend!r}; use {', '.join(BACKEND_NAMES)}")
+        if backend not in known:
+            raise SettingsError(f"{name}={raw!r}: unknown backend {backend!r}; use {', '.join(known)}")
     return names
+
+
+def _path(name: str, *fallbacks: str) -> Path | None:
+    for var in (name, *fallbacks):
+        raw = os.environ.get(var)
+        if raw:
+            return Path(raw).expanduser()
+    return None
 
 
 def _default_cache_dir() -> Path:
@@ -109,6 +123,19 @@ class Settings:
     #: Backend preference for every op, replacing the catalog's ranking (backends lacking an
     #: op are skipped for it). ``DSA_AOT_BACKENDS`` (e.g. ``cutedsl,tilelang``); None = catalog.
     backends: tuple[str, ...] | None = None
+    #: The nvcc whose version keys the cache (builds use the same toolkit). ``DSA_AOT_NVCC``;
+    #: None = as TileLang resolves it (``cuda_home``, ``PATH``, the nvcc wheel, /usr/local/cuda).
+    nvcc: Path | None = None
+    #: CUDA toolkit root. ``CUDA_HOME``, else ``CUDA_PATH``.
+    cuda_home: Path | None = None
+    #: C compiler driver that links CuTe DSL objects into shared libraries. ``CC`` (default cc).
+    cc: str = "cc"
+    #: The CuTe DSL runtime library (a file or a folder holding it) for artifacts linked against
+    #: it (the ``dsl_runtime`` link mode). ``DSA_AOT_CUTE_DSL_RUNTIME``.
+    cute_dsl_runtime: Path | None = None
+    #: TileLang's path overrides that are set, as ``(variable, value)`` pairs (see
+    #: :data:`TILELANG_PATH_VARS`); their contents are not hashed, so they make the key incomplete.
+    tilelang_path_overrides: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -124,6 +151,11 @@ class Settings:
             cache_max_bytes=_size("DSA_AOT_CACHE_MAX_BYTES", 20 << 30),
             allow_shared_cache=_bool("DSA_AOT_ALLOW_SHARED_CACHE", False),
             backends=_backends("DSA_AOT_BACKENDS"),
+            nvcc=_path("DSA_AOT_NVCC"),
+            cuda_home=_path("CUDA_HOME", "CUDA_PATH"),
+            cc=os.environ.get("CC") or "cc",
+            cute_dsl_runtime=_path("DSA_AOT_CUTE_DSL_RUNTIME"),
+            tilelang_path_overrides=tuple((v, os.environ[v]) for v in TILELANG_PATH_VARS if os.environ.get(v)),
         )
 
 

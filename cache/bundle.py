@@ -51,12 +51,15 @@ def _member_name(meta: EntryMeta, name: str) -> str:
 
 
 def export_bundle(store: ArtifactStore, path: Path, *, fingerprint: str | None = None,
-                  archs: list[str] | None = None, spec_ids: set[str] | None = None) -> list[str]:
-    """Write a bundle of every verified entry matching the filters; returns the keys written."""
+                  archs: list[str] | None = None, spec_ids: set[str] | None = None,
+                  keys: set[str] | None = None) -> list[str]:
+    """Write a bundle of every verified entry matching the filters (one key directory, a set of
+    them, archs, spec ids); returns the entry keys written."""
     entries = []
     for entry in store.entries():
         m = entry.meta
-        if (fingerprint and m.fingerprint != fingerprint) or (archs and m.arch not in archs) \
+        if (fingerprint and m.fingerprint != fingerprint) or (keys is not None and m.fingerprint not in keys) \
+                or (archs and m.arch not in archs) \
                 or (spec_ids is not None and m.spec_id not in spec_ids):
             continue
         problems = store.verify(entry)

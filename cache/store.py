@@ -1,6 +1,6 @@
 """A disk store for opaque artifact files. It knows nothing about kernels.
 
-Layout: ``<root>/<fingerprint>/<arch>/<spec id>/`` holds the artifact files and ``meta.json``
+Layout: ``<root>/<key>/<arch>/<spec id>/`` holds the artifact files and ``meta.json``
 (file table with sha256 and size, plus an opaque JSON payload). An entry becomes visible in
 one ``rename`` of a fully written, fsynced staging directory on the same filesystem, with
 ``meta.json`` written last inside it, so a reader never sees a partial entry. Every file is
@@ -37,7 +37,7 @@ log = logging.getLogger("dsa_aot.cache")
 
 META = "meta.json"
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
-STAGING, QUARANTINE, LOCKS, INDEX = ".staging", ".quarantine", ".locks", ".index"
+STAGING, QUARANTINE, LOCKS, INDEX, FEATURES = ".staging", ".quarantine", ".locks", ".index", ".features"
 
 
 class CacheError(RuntimeError):
@@ -199,6 +199,37 @@ class ArtifactStore:
     def entry_dir(self, fingerprint: str, arch: str, spec_id: str) -> Path:
         return (self.root / _check_name("fingerprint", fingerprint) / _check_name("arch", arch)
                 / _check_name("spec id", spec_id))
+
+    def features_path(self, toolchain_fingerprint: str) -> Path:
+        """Where the feature probes of one installed toolchain are kept in this root."""
+        return self.root / FEATURES / f"{_check_name('fingerprint', toolchain_fingerprint)}.json"
+
+    def keys(self) -> list[str]:
+        """The key directories under the root, sorted (dot-folders are the store's own)."""
+        try:
+            return sorted(p.name for p in self.root.iterdir() if not p.name.startswith(".") and p.is_dir())
+        except OSError:
+            return []
+
+    def candidates(self, arch: str, spec_id: str) -> Iterator[Entry]:
+        """Every published entry of ``spec_id`` for ``arch``, under any key, newest first.
+
+        For a process that cannot compute the key (no compiler installed): it picks among
+        these by the identity each manifest records.
+        """
+        found = []
+        for key in self.keys():
+            entry = self.lookup(key, arch, spec_id)
+            if entry is not None:
+                found.append(entry)
+        yield from sorted(found, key=lambda e: e.meta.created, reverse=True)
+
+    def quarantined(self) -> list[str]:
+        """Names of the quarantined entries (``<key>.<arch>.<spec id>.<reason tag>...``)."""
+        try:
+            return sorted(p.name for p in (self.root / QUARANTINE).iterdir())
+        except OSError:
+            return []
 
     def writable(self) -> bool:
         """True if entries can be published here (creating the root if needed)."""
@@ -406,15 +437,17 @@ class ArtifactStore:
         except Exception:
             return {}
 
-    def gc(self, keep_fingerprint: str | None, max_bytes: int | None = None) -> GcReport:
-        """Drop other fingerprints' trees, then least-recently-used entries above ``max_bytes``."""
+    def gc(self, keep: str | Iterable[str] | None, max_bytes: int | None = None) -> GcReport:
+        """Drop every key directory not in ``keep`` (None: drop all), then least-recently-used
+        entries above ``max_bytes``."""
+        keep_keys = set() if keep is None else {keep} if isinstance(keep, str) else set(keep)
         if self.read_only:
             raise CacheError(f"{self.root} is a read-only cache root")
         self.sweep_staging()
         removed_fps, removed, freed = [], [], 0
         if self.root.is_dir():
             for fp_dir in sorted(self.root.iterdir()):
-                if fp_dir.name.startswith(".") or not fp_dir.is_dir() or fp_dir.name == keep_fingerprint:
+                if fp_dir.name.startswith(".") or not fp_dir.is_dir() or fp_dir.name in keep_keys:
                     continue
                 freed += _tree_size(fp_dir)
                 shutil.rmtree(fp_dir, ignore_errors=True)

@@ -35,15 +35,24 @@ class Catalog(BaseModel):
     ranking: dict[Op, list[Backend]] = DEFAULT_RANKING
 
     def specs(self, implemented: set[tuple[str, str]] | None = None) -> list[KernelSpec]:
-        """Every spec, deduplicated, in catalog order; ``implemented`` = {(backend, op)} filter."""
+        """Every spec, deduplicated, in catalog order.
+
+        A backend contributes the ops it implements (``implemented`` = {(backend, op)} narrows
+        that further). Raises ``ValueError`` naming the spec and the field when a block asks a
+        backend for a field it cannot honour (e.g. a tile knob it ignores).
+        """
+        from dsa_aot.backends import get
+
         seen: dict[str, KernelSpec] = {}
         for block in self.matrix:
-            for op, arch, d, h, layout, backend in itertools.product(
+            for op, arch, d, h, layout, name in itertools.product(
                     block.ops, block.archs, block.d_qk, block.heads, block.layouts, block.backends):
-                if implemented is not None and (backend, op) not in implemented:
+                backend = get(name)
+                if not backend.implements(op) or (implemented is not None and (name, op) not in implemented):
                     continue
                 spec = KernelSpec(op=op, arch=arch, d_qk=d, heads=h, layout=layout,
-                                  backend=backend, tile=block.tile)
+                                  backend=name, tile=block.tile)
+                backend.check_spec(spec)
                 seen.setdefault(spec.id, spec)
         return list(seen.values())
 
@@ -74,7 +83,9 @@ def load_ranking(path: Path | str | None = None) -> dict[str, list[str]]:
     """
     path, data = _read(path)
     ranking = data.get("ranking", DEFAULT_RANKING)
-    ops, backends = set(get_args(Op)), set(get_args(Backend))
+    from dsa_aot.backends import names
+
+    ops, backends = set(get_args(Op)), set(names())
     if not isinstance(ranking, dict):
         raise ValueError(f"catalog {path}: [ranking] must be a table of op = [backends]")
     for op, names in ranking.items():

@@ -4,19 +4,36 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 Op = Literal["fwd", "bwd"]
 Arch = Literal["sm_90a", "sm_100a"]
 Layout = Literal["compact", "noncompact"]
-Backend = Literal["tilelang", "cutedsl"]
+#: A backend name: a subpackage of ``dsa_aot.backends`` (checked when a spec is made).
+Backend = Annotated[str, AfterValidator(lambda name: _known_backend(name))]
 
 #: Value head dimension: V = kv[:, :D_V] for every variant (DeepSeek MLA).
 D_V = 512
 SUPPORTED_D_QK = (512, 576)
 SUPPORTED_HEADS = (16, 32, 64, 128)
+#: The arch kernels are built for, per GPU compute capability.
+ARCH_OF_CAPABILITY: dict[tuple[int, int], str] = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
+
+
+def arch_of_capability(major: int, minor: int) -> str | None:
+    """The arch of a GPU of compute capability ``major.minor`` (None: no kernels for it)."""
+    return ARCH_OF_CAPABILITY.get((major, minor))
+
+
+def _known_backend(name: str) -> str:
+    from dsa_aot.backends import names
+
+    known = names()
+    if name not in known:
+        raise ValueError(f"backend {name!r} is not installed; use one of {', '.join(known)}")
+    return name
 
 
 class TileConfig(BaseModel):
@@ -27,6 +44,9 @@ class TileConfig(BaseModel):
     block_i: int | None = Field(None, gt=0, le=256, description="top-k slots per main-loop step")
     num_stages: int | None = Field(None, ge=0, le=4, description="software-pipeline depth")
     threads: int | None = Field(None, ge=128, le=512, multiple_of=128, description="threads per CTA")
+    flavour: str | None = Field(None, pattern=r"^[a-z][a-z0-9_]{0,31}$",
+                                description="the backend's MMA flavour of the main stage, e.g. cutedsl "
+                                "'wgmma_ws' (forward) or 'wgmma' (backward main)")
 
 
 class KernelSpec(BaseModel):

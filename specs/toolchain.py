@@ -1,22 +1,21 @@
-"""Toolchain fingerprint: every input outside a :class:`KernelSpec` that an artifact depends on.
+"""The installed compiler toolchain, described without importing any compiler.
 
-An artifact (cubin + launch record, CuTe DSL object) is valid for the compilers that built it
-and for our own kernel sources. :meth:`Toolchain.current` describes the installed toolchain
+An artifact (cubin + launch record, CuTe DSL library) is valid for the compilers that built it;
+which of them a spec's key covers, and which of our sources, is decided per spec in
+:mod:`dsa_aot.specs.keys`. :meth:`Toolchain.current` describes the installed toolchain
 without importing any compiler (no ``tilelang``, ``tvm``, ``tvm_ffi`` or ``cutlass``): package
 versions and content hashes come from each distribution's metadata (``RECORD`` lists the
 sha256 of every installed file), the nvcc version from the toolkit's version files (spawning
-``nvcc --version`` only as a fallback), and our kernel sources are hashed by content.
-Nothing is keyed on paths or mtimes.
+``nvcc --version`` only as a fallback). Nothing is keyed on paths or mtimes.
 
 When an input cannot be read (a missing ``RECORD``, an editable compiler install, an nvcc that
 does not answer), the toolchain is marked ``complete=False`` with reasons; callers must then
 skip the disk cache rather than trust a weakened key.
 
-Environment variables read here: ``DSA_AOT_NVCC`` (path of the nvcc to key on; the build
-must use the same one), then ``CUDA_HOME`` / ``CUDA_PATH`` and ``PATH`` exactly as TileLang
-resolves its nvcc. ``TL_TEMPLATE_PATH``, ``TL_CUTLASS_PATH``, ``TVM_LIBRARY_PATH`` and
-``TVM_IMPORT_PYTHON_PATH`` (TileLang overrides) make the toolchain incomplete when they point
-outside the installed ``tilelang``, because their contents are not hashed.
+The nvcc is the one :func:`dsa_aot.toolkit.resolve_nvcc` finds (``DSA_AOT_NVCC``, then as
+TileLang resolves it); TileLang's path overrides (``settings.tilelang_path_overrides``) make the
+toolchain incomplete when they point outside the installed ``tilelang``, because their contents
+are not hashed.
 """
 
 from __future__ import annotations
@@ -36,23 +35,22 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dsa_aot.toolkit import EXEC_WRAPPER, resolve_nvcc  # noqa: F401  (resolve_nvcc re-exported)
+
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
     from dsa_aot.specs.probes import Features
 
 #: Bump to invalidate every cached artifact when the meaning of a field changes.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 #: Prefix of the CuTe DSL distributions (meta package, libs-base, libs-core, libs-cu12, ...).
 CUTLASS_DSL_PREFIX = "nvidia-cutlass-dsl"
 
-#: Build glue whose content shapes artifacts, relative to the ``dsa_aot`` package directory.
-BUILD_GLUE = ("tilelang_backend.py", "cutedsl_backend.py", "cutedsl_runtime.py", "launch.py")
 
 NVCC_TIMEOUT_S = 30.0
 
-_TILELANG_PATH_VARS = ("TL_TEMPLATE_PATH", "TL_CUTLASS_PATH", "TVM_LIBRARY_PATH", "TVM_IMPORT_PYTHON_PATH")
 _NVCC_RELEASE = re.compile(r"release (\d+)\.(\d+), V(\d+(?:\.\d+)+)")
 _VERSION = re.compile(r"^\d+\.\d+(?:\.\d+)*$")
 # CPython extension modules: built per interpreter (cpython-311, abi3 on 3.12, ...); hashing
@@ -60,7 +58,6 @@ _VERSION = re.compile(r"^\d+\.\d+(?:\.\d+)*$")
 _PY_EXTENSION = re.compile(r"\.(?:abi3|cpython-[^./]+|cp\d+-[^./]+|pypy[^./]*)\.(?:so|pyd)$|\.pyd$")
 _NATIVE = re.compile(r"\.(?:so(?:\.\d+)*|dylib|dll)$")
 _SKIPPED_SOURCE_SUFFIXES = (".pyc", ".pyo", "~")
-_EXEC_WRAPPER = re.compile(r'\A#![^\n]*\n(?:\s*(?:#[^\n]*)?\n)*\s*exec\s+(/\S+/bin/nvcc)\s+"\$@"\s*\Z')
 _METADATA_VERSION = re.compile(r"^Version:[ \t]*(\S.*)$", re.M)
 
 
@@ -92,7 +89,9 @@ class Toolchain(BaseModel):
     tvm_ffi: Distribution | None = Field(description="apache-tvm-ffi, content-hashed")
     cutlass_dsl: tuple[Distribution, ...] = Field(
         (), description="every installed nvidia-cutlass-dsl* distribution, sorted by name, "
-        "version only: its wheels differ per Python version (compiler DSO, static runtime)")
+        "content-hashed (CPython extension modules excluded, as for every distribution)")
+    other_compilers: tuple[Distribution, ...] = Field(
+        (), description="compiler distributions other backends declare, content-hashed, by name")
     nvcc_version: str | None = Field(description="what `nvcc --version` reports, e.g. '13.0.88'")
     cuda_driver_min: str | None = Field(
         description="CUDA release nvcc targets, e.g. '13.0': the cubins need a driver that "
@@ -102,7 +101,6 @@ class Toolchain(BaseModel):
         "CPython extension; None for ours: cubins + launch records and CuTe DSL objects are C ABI")
     host: str = Field(description="OS and CPU of the host code in artifacts, e.g. 'linux-x86_64' "
                       "(CuTe DSL objects contain host code)")
-    kernel_sources_sha256: str = Field(description="hash_sources() over kernels/ and the build glue")
     features: dict[str, Any] | None = Field(
         None, description="probe results (Features.key_dict()) when artifacts depend on them")
     complete: bool = Field(True, description="False when a key input could not be read")
@@ -127,40 +125,40 @@ class Toolchain(BaseModel):
         return _current()
 
     @classmethod
-    def collect(cls, *, kernels_dir: Path | None = None, glue_dir: Path | None = None,
-                nvcc: Path | None = None, spawn_nvcc: bool = False, python_abi: bool = False,
-                search_path: Sequence[str] | None = None) -> Toolchain:
+    def collect(cls, *, nvcc: Path | None = None, spawn_nvcc: bool = False, python_abi: bool = False,
+                search_path: Sequence[str] | None = None,
+                compilers: Sequence[str] = ()) -> Toolchain:
         """Describe the installed toolchain now, without importing any compiler.
 
-        ``kernels_dir`` / ``glue_dir`` default to the installed ``dsa_aot.kernels`` and
-        ``dsa_aot`` package directories; ``nvcc`` defaults to :func:`resolve_nvcc`;
-        ``spawn_nvcc`` asks nvcc itself instead of the toolkit's version files;
-        ``search_path`` replaces ``sys.path`` when looking for distributions. Never raises
-        for an unreadable input: the result is then ``complete=False`` with reasons.
+        ``nvcc`` defaults to :func:`~dsa_aot.toolkit.resolve_nvcc`; ``spawn_nvcc`` asks nvcc
+        itself instead of the toolkit's version files; ``search_path`` replaces ``sys.path``
+        when looking for distributions; ``compilers`` names further distributions (``prefix*``
+        patterns allowed) that backends build with, content-hashed into ``other_compilers``.
+        Never raises for an unreadable input: the result is then ``complete=False`` with reasons.
         """
         reasons: list[str] = []
         dists = _installed_distributions(sys.path if search_path is None else search_path)
         tilelang = _hashed_distribution(dists, "tilelang", reasons, expect_native=True)
         tvm_ffi = _hashed_distribution(dists, "apache-tvm-ffi", reasons, expect_native=True)
-        cutlass = tuple(Distribution(name=name, version=_version(path, name, reasons))
-                        for name, path in sorted(dists.items()) if name.startswith(CUTLASS_DSL_PREFIX))
+        cutlass = tuple(_hashed_distribution(dists, name, reasons, expect_native=False)
+                        for name in sorted(dists) if name.startswith(CUTLASS_DSL_PREFIX))
+        named = {"tilelang", "apache-tvm-ffi"}
+        others = sorted({name for name in dists for pattern in compilers
+                         if name not in named and not name.startswith(CUTLASS_DSL_PREFIX)
+                         and (name == pattern or (pattern.endswith("*") and name.startswith(pattern[:-1])))})
+        other = tuple(_hashed_distribution(dists, name, reasons, expect_native=False) for name in others)
         if tilelang is not None:
             _check_tilelang_overrides(dists["tilelang"], reasons)
         nvcc_ver = _nvcc_version_of(nvcc, spawn_nvcc, reasons)
-        try:
-            sources = hash_sources(kernel_source_files(kernels_dir, glue_dir))
-        except OSError as e:
-            reasons.append(f"cannot read kernel sources: {e}")
-            sources = "unreadable"
         return cls(
             tilelang=tilelang,
             tvm_ffi=tvm_ffi,
             cutlass_dsl=cutlass,
+            other_compilers=other,
             nvcc_version=nvcc_ver,
             cuda_driver_min=None if nvcc_ver is None else ".".join(nvcc_ver.split(".")[:2]),
             python_abi=sys.implementation.cache_tag if python_abi else None,
             host=f"{sys.platform}-{_machine()}",
-            kernel_sources_sha256=sources,
             complete=not reasons,
             incomplete_reasons=tuple(reasons),
         )
@@ -168,11 +166,15 @@ class Toolchain(BaseModel):
 
 @functools.lru_cache(maxsize=1)
 def _current() -> Toolchain:
-    return Toolchain.collect()
+    from dsa_aot.backends import declared_compilers
+
+    return Toolchain.collect(compilers=declared_compilers())
 
 
 def _nvcc_version_of(nvcc: Path | None, spawn: bool, reasons: list[str]) -> str | None:
-    named = nvcc is not None or bool(os.environ.get("DSA_AOT_NVCC"))
+    from dsa_aot import settings
+
+    named = nvcc is not None or settings.get().nvcc is not None
     path = nvcc if nvcc is not None else resolve_nvcc()
     if path is None:
         return None  # no toolkit: nothing can be built here, and nothing is unreadable
@@ -344,9 +346,10 @@ def _native_problems(dist: md.Distribution, natives: Iterable[Sequence[str]]) ->
 
 def _check_tilelang_overrides(path: Path, reasons: list[str]) -> None:
     """TileLang reads templates/headers/libraries from these variables when set."""
+    from dsa_aot import settings
+
     package = os.path.realpath(md.PathDistribution(path).locate_file("tilelang"))
-    for var in _TILELANG_PATH_VARS:
-        value = os.environ.get(var)
+    for var, value in settings.get().tilelang_path_overrides:
         if not value:
             continue
         for item in value.split(os.pathsep):
@@ -358,38 +361,6 @@ def _check_tilelang_overrides(path: Path, reasons: list[str]) -> None:
 
 
 # --- nvcc ----------------------------------------------------------------------------------
-
-def resolve_nvcc(environ: Mapping[str, str] | None = None) -> Path | None:
-    """The nvcc that builds use: ``DSA_AOT_NVCC``, else the one TileLang resolves.
-
-    TileLang's order: ``CUDA_HOME`` / ``CUDA_PATH``; ``nvcc`` on ``PATH`` (its toolkit root,
-    following symlinks unless the visible root has ``include/cuda_runtime.h``); the
-    ``nvidia-cuda-nvcc`` wheel; ``/usr/local/cuda``. Returns None when no nvcc exists.
-    """
-    env = os.environ if environ is None else environ
-    explicit = env.get("DSA_AOT_NVCC")
-    if explicit:
-        return Path(explicit)
-    home = env.get("CUDA_HOME") or env.get("CUDA_PATH")
-    if home:
-        candidate = Path(home, "bin", "nvcc")
-        return candidate if candidate.exists() else None
-    found = shutil.which("nvcc", path=env.get("PATH"))
-    if found:
-        visible = Path(found).parent.parent
-        if (visible / "include" / "cuda_runtime.h").exists():
-            return visible / "bin" / "nvcc"
-        return Path(os.path.realpath(found)).parent.parent / "bin" / "nvcc"
-    try:
-        files = md.files("nvidia-cuda-nvcc") or []
-    except md.PackageNotFoundError:
-        files = []
-    for f in files:
-        if f.name == "nvcc":
-            return Path(f.locate())
-    default = Path("/usr/local/cuda/bin/nvcc")
-    return default if default.exists() else None
-
 
 def nvcc_version(nvcc: Path, *, spawn: bool = False) -> tuple[str | None, str | None]:
     """Version nvcc reports (``'13.0.88'``), read cheaply where the toolkit records it.
@@ -502,7 +473,7 @@ def _nvcc_version_from_files(nvcc: Path, _hops: int = 1) -> str | None:
     if head[:4] != b"\x7fELF":
         # a wrapper script: only ``exec /abs/path/bin/nvcc "$@"`` is followed (it is certain
         # which binary runs); anything else is asked by spawning it
-        target = _EXEC_WRAPPER.search(head.decode("utf-8", "replace")) if head[:2] == b"#!" else None
+        target = EXEC_WRAPPER.search(head.decode("utf-8", "replace")) if head[:2] == b"#!" else None
         if target is None or _hops <= 0:
             return None
         return _nvcc_version_from_files(Path(target.group(1)), _hops - 1)
@@ -569,34 +540,6 @@ def _package_dir(module: str) -> Path | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     return Path(next(iter(spec.submodule_search_locations)))
-
-
-def kernel_source_files(kernels_dir: Path | None = None, glue_dir: Path | None = None) -> dict[str, Path]:
-    """Key name -> file for every kernel source and the build glue present.
-
-    Every file under ``kernels_dir`` (default: the ``dsa_aot.kernels`` package) except
-    bytecode, ``__pycache__`` and dot-files, named ``kernels/<relative path>``; plus
-    ``aot/<name>`` for each of :data:`BUILD_GLUE` found in ``glue_dir`` (default: the
-    ``dsa_aot`` package). Raises ``FileNotFoundError`` when the kernels directory is missing.
-    """
-    kernels_dir = kernels_dir if kernels_dir is not None else _package_dir("dsa_aot.kernels")
-    glue_dir = glue_dir if glue_dir is not None else _package_dir("dsa_aot")
-    if kernels_dir is None or not kernels_dir.is_dir():
-        raise FileNotFoundError(f"kernel sources not found (kernels dir: {kernels_dir})")
-    files: dict[str, Path] = {}
-    for dirpath, dirnames, filenames in os.walk(kernels_dir):
-        dirnames[:] = [d for d in dirnames if d != "__pycache__" and not d.startswith(".")]
-        for fname in filenames:
-            if fname.startswith(".") or fname.endswith(_SKIPPED_SOURCE_SUFFIXES):
-                continue
-            path = Path(dirpath, fname)
-            files["kernels/" + path.relative_to(kernels_dir).as_posix()] = path
-    if glue_dir is not None:
-        for fname in BUILD_GLUE:
-            path = glue_dir / fname
-            if path.is_file():
-                files["aot/" + fname] = path
-    return files
 
 
 def hash_sources(files: Mapping[str, Path] | Iterable[tuple[str, Path]]) -> str:

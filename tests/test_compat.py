@@ -6,12 +6,14 @@
   runs real processes (``dsa-aot status`` / ``gc`` / the loader's own store lookup).
 * Feature gating: a toolkit whose nvcc rejects sm_100a makes ``dsa-aot prebuild`` report the
   sm_100a variant "skipped-by-feature" (not "failed") and the loader fall back for it.
-* ``dsa-aot compat`` (marker ``compat``): the matrix's CI slice, two toolchains in their own
-  virtualenvs built from the registry, tiny spec subset; the report must be complete.
+* ``tools/compat.py`` (marker ``compat``): the matrix's CI slice, two toolchains in their own
+  virtualenvs built from the registry, tiny spec subset; the report must be complete. It drives
+  each toolchain through ``dsa-aot doctor --probes`` / ``prebuild --json`` / ``gc`` only.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -23,11 +25,23 @@ from pathlib import Path
 
 import pytest
 
-from dsa_aot import compat
 from dsa_aot.cache.store import ArtifactStore
 from dsa_aot.specs.toolchain import _TILELANG_PATH_VARS, Distribution, Toolchain, resolve_nvcc
 
 REPO = Path(__file__).resolve().parents[1]
+COMPAT_TOOL = REPO / "tools" / "compat.py"
+
+
+def _load_tool(path: Path, name: str = "dsa_aot_compat_tool"):
+    """``tools/compat.py`` as a module (developer tooling: not part of the installed package)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # pydantic resolves the models' annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+compat = _load_tool(COMPAT_TOOL)
 ENVS_DIR = REPO / ".compat-envs"  # the CLI's default: envs built by `make compat` are reused
 SPEC, ARCH = "fwd-sm_90a-d512-h16-compact-tilelang", "sm_90a"
 SPEC_100 = "fwd-sm_100a-d512-h16-compact-tilelang"
@@ -141,7 +155,7 @@ def _side_b(component: str, root: Path, tmp_path: Path) -> tuple[Side, Toolchain
                                     for n in older) if p is not None), None)
         if env_dir is None:
             pytest.skip(f"no older toolchain environment under {ENVS_DIR} (run `make compat` or the compat test)")
-        env = compat.Env(path=env_dir, info=compat.EnvInfo.model_validate_json((env_dir / compat.ENV_MARKER).read_text()))
+        env = compat.load_env(env_dir)
         environ = compat.toolchain_environ(env, compat.project_pythonpath(tmp_path / "b-path"), root)
         return Side("B", environ, str(env.python)), None
     raise AssertionError(component)
@@ -173,23 +187,27 @@ def test_compat_ci_slice_two_toolchains(tmp_path):
     ci = matrix.slices["ci"]
     out = tmp_path / "compat"
     start = time.perf_counter()
-    proc = run(["-m", "dsa_aot.cli", "compat", "--slice", "ci", "--envs-dir", str(ENVS_DIR), "--out", str(out)],
+    proc = run([str(COMPAT_TOOL), "--slice", "ci", "--envs-dir", str(ENVS_DIR), "--out", str(out)],
                base_env(tmp_path / "unused-cache"), check=False, timeout=3600)
     wall = time.perf_counter() - start
-    print(f"dsa-aot compat --slice ci: {wall:.0f} s\n{proc.stdout}\n{proc.stderr[-3000:]}")
+    print(f"tools/compat.py --slice ci: {wall:.0f} s\n{proc.stdout}\n{proc.stderr[-3000:]}")
     report = compat.CompatReport.model_validate_json(out.with_name("compat.json").read_text())
     assert proc.returncode == 0, report.problems or proc.stderr[-3000:]
     names = [t.name for t in report.toolchains]
     assert names == [t for t in (r.name for r in matrix.toolchain) if t in ci.toolchains]
     assert sorted(r.id for r in report.specs) == sorted(ci.only)
     assert report.machine["cpus"] and report.generated and report.matrix["slice"] == "ci"
+    assert report.matrix["ranking"] == compat.loader_ranking(environ={})
 
     by_name = {t.name: t for t in report.toolchains}
     shipped = by_name[_running_row(matrix)]
     assert shipped.fingerprint == Toolchain.current().fingerprint  # same key as this venv's
     assert all(report.cell(s, shipped.name).status == "built" for s in ci.only)
     assert len({t.fingerprint for t in report.toolchains}) == 2
-    for t in report.toolchains:
+    for t in report.toolchains:  # each toolchain's prebuild ran, through the CLI, in its own venv
+        assert t.prebuild_exit in (0, 1) and t.seconds.get("prebuild") is not None, t
+        log = ENVS_DIR / t.env_key / "logs" / "prebuild.log"
+        assert f"{ENVS_DIR / t.env_key}/bin/python -m dsa_aot.cli prebuild -q --json" in log.read_text()
         assert t.probes is not None and t.expect_mismatches == [], (t.name, t.expect_mismatches)
         row = matrix_row(matrix, t.name)
         assert t.installed["tilelang"] == row.pinned()["tilelang"]
@@ -287,23 +305,36 @@ def prebuilt_without_sm100(toolkit_without_sm100, tmp_path_factory):
     env = base_env(root, CUDA_HOME=str(toolkit_without_sm100))
     for var in (*_TILELANG_PATH_VARS, "CUDA_PATH"):
         env.pop(var, None)
-    proc = run(["-m", "dsa_aot.cli", "prebuild", "-q", "--only", SPEC, "--only", SPEC_100], env, check=False)
+    proc = run(["-m", "dsa_aot.cli", "prebuild", "-q", "--json", "--only", SPEC, "--only", SPEC_100], env,
+               check=False)
     return root, env, proc
 
 
 def test_missing_nvcc_arch_is_skipped_by_feature_not_failed(prebuilt_without_sm100):
     root, env, proc = prebuilt_without_sm100
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    fp, problems = compat.parse_prebuild_output(proc.stdout)
-    assert fp is not None and fp != Toolchain.current().fingerprint
-    assert set(problems) == {SPEC_100}, proc.stdout
-    status, message = problems[SPEC_100]
-    assert status == "skipped-by-feature" and "sm_100a" in message, proc.stdout
+    summary = json.loads(proc.stdout)  # --json: stdout is the summary and nothing else
+    parsed = compat.parse_prebuild_json(proc.stdout)
+    assert parsed is not None and parsed.fingerprint == summary["fingerprint"]
+    fp = parsed.fingerprint
+    assert fp != Toolchain.current().fingerprint
+    assert Path(parsed.root) == root and parsed.wall_seconds > 0
+    assert summary["counts"] == {"built": 1, "cached": 0, "failed": 0, "skipped-by-feature": 1}
+    rows = {r.id: r for r in parsed.specs}
+    assert set(rows) == {SPEC, SPEC_100}, proc.stdout
+    assert rows[SPEC].status == "built" and rows[SPEC].seconds > 0 and rows[SPEC].message == ""
+    assert rows[SPEC_100].status == "skipped-by-feature" and "sm_100a" in rows[SPEC_100].message
+    cells = compat.cells_from_prebuild(parsed, [SPEC, SPEC_100], root / "log")
+    assert cells[SPEC] == compat.Cell(status="built")
+    assert cells[SPEC_100].status == "skipped-by-feature" and "sm_100a" in cells[SPEC_100].detail
     features = json.loads((root / fp / "features.json").read_text())
     assert features["nvcc_archs"] == {"sm_90a": True, "sm_100a": False}
     assert features["nvcc_version"] == "12.6.85"
-    assert "built                   1" in proc.stdout and "failed                  0" in proc.stdout
     assert ArtifactStore(root).lookup(fp, "sm_90a", SPEC) is not None
+
+    again = run(["-m", "dsa_aot.cli", "prebuild", "-q", "--json", "--only", SPEC], env)  # now cached
+    assert [(r["id"], r["status"]) for r in json.loads(again.stdout)["specs"]] == [(SPEC, "cached")]
+    assert compat.cells_from_prebuild(compat.parse_prebuild_json(again.stdout), [SPEC], root)[SPEC].status == "built"
 
 
 def test_loader_falls_back_for_the_skipped_variant(prebuilt_without_sm100):
@@ -349,6 +380,30 @@ def test_matrix_rows_pin_the_whole_compiler_set():
     assert sorted(ids) == sorted(ci.only), "every CI spec must exist in the catalog"
 
 
+def test_probe_names_are_what_doctor_reports():
+    from dsa_aot.specs.probes import Features
+
+    assert set(compat.PROBE_FIELDS) == set(Features.model_fields) - {"schema_version", "toolchain", "archs", "errors"}
+
+
+def test_tool_is_outside_the_package_and_imports_none_of_it(tmp_path):
+    """The runtime package no longer has a ``compat`` command; the tool imports nothing of dsa_aot."""
+    proc = run(["-m", "dsa_aot.cli", "compat", "--help"], base_env(tmp_path), check=False)
+    assert proc.returncode == 2 and "invalid choice: 'compat'" in proc.stderr, proc.stderr
+    assert importlib.util.find_spec("dsa_aot.compat") is None
+    code = textwrap.dedent(f"""
+        import importlib.util, sys
+        spec = importlib.util.spec_from_file_location("compat_tool", {str(COMPAT_TOOL)!r})
+        tool = sys.modules["compat_tool"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(tool)
+        tool.load_matrix(), tool.loader_ranking(), tool.runtime_requirements()
+        print(sorted(m for m in sys.modules if m == "dsa_aot" or m.startswith("dsa_aot.")))
+    """)
+    assert run(["-c", code], base_env(tmp_path)).stdout.strip() == "[]"
+    help_text = run([str(COMPAT_TOOL), "--help"], base_env(tmp_path)).stdout
+    assert "--slice" in help_text and "--merge" in help_text
+
+
 @pytest.mark.parametrize("bad, match", [
     ({"pins": ["tilelang>=0.1.11"]}, "name==version"),
     ({"pins": ["tilelang==0.1.11", "TileLang==0.1.13"]}, "pinned twice"),
@@ -389,24 +444,45 @@ def test_expectations_flag_a_changed_probe():
     assert compat.check_expectations(expect, None, ["sm_90a"]) == ["probes did not run"]
 
 
-def test_report_names_what_the_loader_serves_instead():
-    ids = ["bwd-sm_90a-d512-h64-compact-tilelang", "bwd-sm_90a-d512-h64-compact-cutedsl",
-           "fwd-sm_90a-d512-h64-compact-tilelang"]
+_LOADER_RANKING = textwrap.dedent("""
+    import json
+    from dsa_aot.loader import get_loader
+    print(json.dumps({op: get_loader().ranking(op) for op in ("fwd", "bwd")}))
+""")
+
+_BWD_TL, _BWD_CUTE = "bwd-sm_90a-d512-h64-compact-tilelang", "bwd-sm_90a-d512-h64-compact-cutedsl"
+_FWD_TL, _FWD_CUTE = "fwd-sm_90a-d512-h64-compact-tilelang", "fwd-sm_90a-d512-h64-compact-cutedsl"
+
+
+@pytest.mark.parametrize("forced, bwd_tilelang_failed, fwd_cutedsl_failed", [
+    (None, "cutedsl", "tilelang"),            # the catalog's ranking: cutedsl, then tilelang
+    ("tilelang,cutedsl", "cutedsl", "tilelang"),
+    ("tilelang", "reference", "tilelang"),    # cutedsl is never tried, built or not
+    ("cutedsl", "cutedsl", "reference"),
+])
+def test_report_names_what_the_loader_serves_instead(forced, bwd_tilelang_failed, fwd_cutedsl_failed, tmp_path):
+    environ = {} if forced is None else {"DSA_AOT_BACKENDS": forced}
+    ranking = compat.loader_ranking(environ=environ)
+    # the ranking compat uses is the one a real loader process uses under the same settings
+    loader = json.loads(run(["-c", _LOADER_RANKING], base_env(tmp_path, **environ)).stdout.strip().splitlines()[-1])
+    assert ranking == loader, (ranking, loader)
+    if forced is None:
+        assert ranking == {"fwd": ["cutedsl", "tilelang"], "bwd": ["cutedsl", "tilelang"]}, \
+            "specs/catalog.toml's ranking changed: update the expectations of this test"
+
+    ids = [_BWD_TL, _BWD_CUTE, _FWD_TL, _FWD_CUTE]
     specs = compat.plan_specs(["sm_90a"], ids)
     assert sorted(specs) == sorted(ids)
-    from dsa_aot.specs.catalog import load_catalog
-
-    ranking = load_catalog().ranking["bwd"]
     built, failed = compat.Cell(status="built"), compat.Cell(status="failed", detail="x")
     skipped = compat.Cell(status="skipped-by-feature", detail="nvcc")
-    table = {"one-left": {ids[0]: failed, ids[1]: built, ids[2]: skipped},
-             "none-left": {ids[0]: failed, ids[1]: failed, ids[2]: built}}
+    table = {"one-left": {_BWD_TL: failed, _BWD_CUTE: built, _FWD_TL: skipped, _FWD_CUTE: failed},
+             "none-left": {_BWD_TL: failed, _BWD_CUTE: failed, _FWD_TL: built, _FWD_CUTE: failed}}
     report = compat.CompatReport(generated="now", matrix={}, machine={}, toolchains=[],
                                  specs=[compat.SpecRow(id=i, results={t: c[i] for t, c in table.items()}) for i in ids])
-    compat._mark_fallbacks(report, specs)
+    compat.mark_fallbacks(report, specs, ranking)
     uses = {(r.id, t): c.loader_uses for r in report.specs for t, c in r.results.items()}
-    if ranking[:2] == ["tilelang", "cutedsl"]:
-        assert uses[(ids[0], "one-left")] == "cutedsl"
-    assert uses[(ids[1], "one-left")] is None and uses[(ids[2], "none-left")] is None  # built
-    assert uses[(ids[2], "one-left")] == "reference"  # fwd has no second backend
-    assert uses[(ids[0], "none-left")] == uses[(ids[1], "none-left")] == "reference"
+    assert uses[(_BWD_TL, "one-left")] == bwd_tilelang_failed  # the other backend built
+    assert uses[(_FWD_CUTE, "none-left")] == fwd_cutedsl_failed
+    assert uses[(_BWD_CUTE, "one-left")] is None and uses[(_FWD_TL, "none-left")] is None  # built
+    assert uses[(_FWD_TL, "one-left")] == uses[(_FWD_CUTE, "one-left")] == "reference"  # neither fwd built
+    assert uses[(_BWD_TL, "none-left")] == uses[(_BWD_CUTE, "none-left")] == "reference"

@@ -1,8 +1,8 @@
-"""Build side of the TileLang backend: PrimFunc -> (cubin, LaunchRecord).
+"""Build side of the TileLang backend: spec -> PrimFunc -> (cubin, LaunchRecord).
 
 Imports tilelang (the compiler) lazily; nothing here runs on the load path. The kernel is
 lowered with an explicit target, its one device function is described by a
-:class:`~dsa_aot.launch.LaunchRecord` (entry, parameters in order, grid expressions, block,
+:class:`~dsa_aot.backends.tilelang.launch.LaunchRecord` (entry, parameters in order, grid expressions, block,
 dynamic shared memory), and its CUDA source is compiled to a cubin by nvcc with TileLang's
 own flags. Kernels must not use features our launcher cannot reproduce (TMA descriptors made
 on the host, clusters, cooperative launch): those are refused here, at build time.
@@ -10,11 +10,16 @@ on the host, clusters, cooperative launch): those are refused here, at build tim
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dsa_aot.launch import LaunchRecord, ParamRecord
+from dsa_aot.backends.base import BuildError, StageArtifact, check_params, first_error_line
+from dsa_aot.backends.tilelang.launch import LaunchRecord, ParamRecord
+
+if TYPE_CHECKING:
+    from dsa_aot.specs.models import KernelSpec
 
 _KIND = {"handle": "ptr", "int32": "i32", "int64": "i64", "float32": "f32"}
 
@@ -76,3 +81,18 @@ def compile_stage(prim_func: Any, arch: str, pass_configs: dict[str, Any] | None
                               block=tuple(block), dynamic_smem=smem)
         cubin = bytes(tilelang_callback_cuda_compile(artifact.kernel_source, target, configs))
     return CompiledStage(record=record, cubin=cubin, cuda_source=artifact.kernel_source)
+
+
+def build_stage(spec: KernelSpec, stage: str, module: str, builder: str) -> tuple[StageArtifact, dict[str, bytes]]:
+    """Compile one stage of ``spec``: ``module.builder(spec) -> (prim_func, pass_configs)``, then
+    a cubin. Returns its stage record and files (the cubin and its CUDA source)."""
+    try:
+        prim_func, configs = getattr(importlib.import_module(module), builder)(spec)
+        compiled = compile_stage(prim_func, spec.arch, configs)
+    except Exception as exc:  # compiler errors come in many types
+        raise BuildError(f"{spec.id} stage {stage}: {first_error_line(exc)}") from exc
+    check_params(spec, stage, {p.name for p in compiled.record.params})
+    files = {f"{stage}.cubin": compiled.cubin, f"{stage}.cu": compiled.cuda_source.encode()}
+    record = StageArtifact(name=stage, format="cubin", file=f"{stage}.cubin",
+                           record=compiled.record.model_dump(mode="json"))
+    return record, files

@@ -1,6 +1,6 @@
 """Run CuTe DSL kernels exported ahead of time, without importing ``cutlass``.
 
-An artifact folder written by :func:`dsa_aot.cutedsl_backend.build_cutedsl` holds ``<name>.so``
+An artifact folder written by :func:`dsa_aot.backends.cutedsl.build.build_cutedsl` holds ``<name>.so``
 (the DSL's host launcher with the cubin embedded, linked by us) and ``record.json``. Loading is
 ``ctypes`` only: the DSL runtime library the record names (``libcute_dsl_runtime.so`` for the
 ``dsl_runtime`` link mode, none for ``static_cudart``) is opened ``RTLD_GLOBAL`` first, then the
@@ -19,16 +19,20 @@ that exact runtime.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import numbers
 import os
 import struct
 import sys
 import threading
+import tempfile
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsa_aot.cache.store import sha256_file
-from dsa_aot.cutedsl_backend import (
+from dsa_aot import settings
+from dsa_aot.backends.base import CudaError
+from dsa_aot.backends.cutedsl.records import (
     RECORD_FILE,
     CuteExportRecord,
     RuntimeLibRecord,
@@ -38,7 +42,11 @@ from dsa_aot.cutedsl_backend import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
+
+    from dsa_aot.artifact import ArtifactManifest
 
 #: A file, or a folder holding it, to use as the DSL runtime library.
 RUNTIME_ENV = "DSA_AOT_CUTE_DSL_RUNTIME"
@@ -56,7 +64,15 @@ _SCALAR_CTYPES = {"float32": (ctypes.c_float, "f")}
 _LIMITS = {"int32": 2**31 - 1, "int64": 2**63 - 1}
 
 
-class CuteRuntimeError(RuntimeError):
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class CuteRuntimeError(CudaError):
     """Loading or launching an exported CuTe DSL kernel failed; the message says why."""
 
 
@@ -74,7 +90,7 @@ _RUNTIME_LIBS: dict[str, tuple[Path, ctypes.CDLL]] = {}
 
 def _candidates(rec: RuntimeLibRecord, artifact_dir: Path, explicit: Path | None) -> list[Path]:
     found: list[Path] = []
-    for base in (explicit, Path(os.environ[RUNTIME_ENV]) if os.environ.get(RUNTIME_ENV) else None):
+    for base in (explicit, settings.get().cute_dsl_runtime):
         if base is not None:
             found.append(base / rec.name if base.is_dir() else base)
     found.append(artifact_dir / rec.name)
@@ -444,3 +460,101 @@ def load_kernel(artifact_dir: str | os.PathLike[str], *, runtime_lib: str | os.P
                                    verify_runtime=verify_runtime)
             _KERNELS[key] = kernel
         return kernel
+
+
+# --- opening a verified library, once per process ----------------------------------------
+
+_CUTE_LIBS: dict[str, CuteDslKernel] = {}
+_CUTE_FDS: dict[str, int] = {}  # memfds stay open: their /proc/self/fd name must never be reused
+_CUTE_LOCK = threading.Lock()
+_SEALS = ("F_SEAL_SEAL", "F_SEAL_SHRINK", "F_SEAL_GROW", "F_SEAL_WRITE")
+
+
+def open_cute_library(record: CuteExportRecord, data: bytes) -> CuteDslKernel:
+    """A CuTe DSL kernel ``dlopen``-ed from exactly ``data`` (already sha256-checked by the store).
+
+    The bytes go into a sealed anonymous file (``memfd_create``; no path another process can
+    write, no write after sealing, nothing left on disk, unaffected by a ``noexec`` /tmp) and
+    ``/proc/self/fd/<n>`` is opened. Without memfd or /proc, a private temporary folder (mode
+    0700) holds the file until it is opened. One instance per distinct library per process:
+    identical pre/post-processing libraries of many specs load once. Raises
+    :class:`~dsa_aot.cache.store.CorruptArtifact` when ``data`` is not the recorded library.
+    """
+    from dsa_aot.cache.store import CorruptArtifact
+
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != record.library_sha256:
+        raise CorruptArtifact(f"{record.name}: library sha256 {digest[:12]} differs from its record "
+                              f"({record.library_sha256[:12]})")
+    with _CUTE_LOCK:
+        kernel = _CUTE_LIBS.get(digest)
+        if kernel is None:
+            kernel = _open_memfd(record, data, digest)
+            if kernel is None:
+                kernel = _open_tempfile(record, data)
+            _CUTE_LIBS[digest] = kernel
+        return kernel
+
+
+def _open_memfd(record: CuteExportRecord, data: bytes, digest: str) -> CuteDslKernel | None:
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        return None
+    create = getattr(os, "memfd_create", None)
+    if create is None or not all(hasattr(fcntl, s) for s in ("F_ADD_SEALS", *_SEALS)):
+        return None
+    try:
+        fd = create(f"dsa-aot-{record.name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError:
+        return None
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        seals = 0
+        for name in _SEALS:
+            seals |= getattr(fcntl, name)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        folder = Path("/proc/self/fd")
+        if not (folder / str(fd)).exists():
+            os.close(fd)
+            return None
+        kernel = CuteDslKernel(folder, record.model_copy(update={"library": str(fd)}))
+    except BaseException:
+        os.close(fd)
+        raise
+    _CUTE_FDS[digest] = fd
+    return kernel
+
+
+def _open_tempfile(record: CuteExportRecord, data: bytes) -> CuteDslKernel:
+    folder = Path(tempfile.mkdtemp(prefix="dsa-aot-so-"))  # mode 0700, a unique name per load
+    try:
+        (folder / record.library).write_bytes(data)
+        return CuteDslKernel(folder, record)  # dlopen maps it; the file can go right after
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+# --- the backend's load entry point ---------------------------------------------------------
+
+def load(manifest: ArtifactManifest, read: Callable[[str], bytes], device_index: int) -> Any:
+    """Open every stage's library from its verified bytes (ctypes only), then prepare them on
+    ``device_index``: a CUDA problem surfaces here, as a :class:`CuteRuntimeError` (a miss)."""
+    from dsa_aot.backends.base import BuildError
+    from dsa_aot.runners import CuteFwd, StagedBwd
+
+    kernels: dict[str, CuteDslKernel] = {}
+    for st in manifest.stages:
+        if st.format != "cutedsl_so":
+            raise BuildError(f"{manifest.spec.id}: stage {st.name} is {st.format}, not a CuTe DSL library")
+        record = CuteExportRecord.model_validate(st.record)
+        if record.kernel != st.name:
+            raise BuildError(f"{manifest.spec.id}: stage {st.name} holds a record of {record.kernel}")
+        kernels[st.name] = open_cute_library(record, read(st.file))
+    for kernel in kernels.values():
+        kernel.prepare(device_index)
+    if manifest.spec.op == "fwd":
+        return CuteFwd(kernels["fwd"], manifest.spec)
+    return StagedBwd(kernels["bwd_preprocess"], kernels["bwd_main"], kernels["bwd_postprocess"], manifest.spec)

@@ -16,6 +16,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from dsa_aot.backends.base import CudaError
+
 ParamKind = Literal["ptr", "i32", "i64", "f32"]
 _CTYPE = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float}
 _ALLOWED_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Name, ast.Load, ast.Constant,
@@ -77,10 +79,6 @@ def _grid_function(grid: tuple[str, str, str]):
         body=ast.Tuple([ast.Call(ast.Name("int", ast.Load()), [d], []) for d in dims], ast.Load())))
     ast.fix_missing_locations(lam)
     return eval(compile(lam, "<grid>", "eval"), {"__builtins__": {}, "int": int, **_ALLOWED_CALLS})  # noqa: S307
-
-
-class CudaError(RuntimeError):
-    """A CUDA driver call failed; the message names the call and the driver's error."""
 
 
 _LIB: ctypes.CDLL | None = None

@@ -1,55 +1,64 @@
-"""``dsa-aot compat``: what still compiles, and what falls back, under other toolchains.
+#!/usr/bin/env python3
+"""What still compiles, and what falls back, under other toolchains (``make compat``).
 
-For each toolchain of a matrix file (``specs/compat_matrix.toml``; every row pins the whole
-compiler set), a virtualenv is built from the registry under ``--envs-dir`` (``torch`` first,
-then the pins, then our runtime dependencies), keyed by a hash of that set and reused by later
-runs. Inside it, with this checkout on ``PYTHONPATH``, the feature probes run
-(:mod:`dsa_aot.specs.probes`) and then that environment's ``dsa-aot prebuild`` compiles the
-selected specs into a cache of its own. The result is one report, ``<out>.json`` and
+Developer tooling, not part of the installed package. For each toolchain of a matrix file
+(``specs/compat_matrix.toml``; every row pins the whole compiler set), a virtualenv is built
+from the registry under ``--envs-dir`` (``torch`` first, then the pins, then our runtime
+dependencies), keyed by a hash of that set and reused by later runs. Inside it, with this
+checkout on ``PYTHONPATH``, the product is driven through its command line only:
+``dsa-aot doctor --probes`` (fingerprint, feature probes), ``dsa-aot prebuild --json`` (the
+selected specs, into a cache of that environment's own) and ``dsa-aot gc``. The specs come from
+``dsa-aot list --json`` of this checkout. The result is one report, ``<out>.json`` and
 ``<out>.md``: a row per spec and a column per toolchain (built / skipped-by-feature and why /
 failed and the first compiler error line), the probes per toolchain, the date, the matrix and
 the machine.
 
 The next environment is built while the current one compiles (one pip process beside the
-compilers, mostly download and unpack). Everything a toolchain does runs in subprocesses of
-its own interpreter; this module imports no compiler.
+compilers, mostly download and unpack). This module imports nothing of ``dsa_aot``: what it
+needs to know comes from the checkout's files (``pyproject.toml``, the catalog's ``[ranking]``)
+and from the command line's JSON.
+
+    python tools/compat.py [--slice ci] [--toolchain GLOB] [--only GLOB] [--shard i/n] [--jobs N]
+    python tools/compat.py --merge shard1.json shard2.json --out docs/compat
 """
 
 from __future__ import annotations
 
+import argparse
+import atexit
 import concurrent.futures
 import datetime as _dt
 import fnmatch
 import hashlib
-import importlib.metadata as md
-import importlib.util
 import json
 import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import tomllib
-from collections.abc import Iterable, Sequence
-from importlib import resources
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dsa_aot.specs.models import Arch, KernelSpec
-
+REPO = Path(__file__).resolve().parents[1]
 SCHEMA_VERSION = 1
 ENV_FORMAT = 1
 ENV_MARKER = "compat-env.json"
+DEFAULT_MATRIX = REPO / "specs" / "compat_matrix.toml"
 DEFAULT_ENVS_DIR = Path(".compat-envs")
 DEFAULT_OUT = Path("docs/compat")
 ENV_TIMEOUT_S = 3600.0
 PROBE_TIMEOUT_S = 1800.0
 PREBUILD_TIMEOUT_S = 4 * 3600.0
+CLI_TIMEOUT_S = 600.0
 
 #: Variables that must not leak from this process into a toolchain's processes: an imported
 #: TileLang exports the first four (pointing into *our* tilelang), CuTe DSL reads the arch once.
@@ -57,8 +66,10 @@ _SCRUBBED_ENV = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "TL_TEMPLATE_PATH", 
                  "TVM_LIBRARY_PATH", "TVM_IMPORT_PYTHON_PATH", "CUTE_DSL_ARCH", "DSA_AOT_PREBUILT_DIR",
                  "DSA_AOT_REQUIRE_PREBUILT", "DSA_AOT_ARCH_LIST", "PIP_CONSTRAINT")
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9.+!_-]+)$")
-_PROBLEM_LINE = re.compile(r"^\s{2}(\S+)\s{2,}(failed|skipped-by-feature)\s{2,}(.*)$")
-_FINGERPRINT_LINE = re.compile(r"^toolchain ([0-9a-f]{16})\s")
+_REQ_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
+#: The probe results a row's ``expect`` may name (the result fields of ``dsa-aot doctor --probes``).
+PROBE_FIELDS = ("tilelang_importable", "cutlass_dsl_importable", "cute_math_isfinite",
+                "tilelang_bool_fragment_ok", "nvcc_version", "nvcc_archs")
 
 CellStatus = Literal["built", "skipped-by-feature", "failed", "not-run"]
 
@@ -105,9 +116,7 @@ class ToolchainRow(BaseModel):
     @field_validator("expect")
     @classmethod
     def _known_probes(cls, expect: dict[str, Any]) -> dict[str, Any]:
-        from dsa_aot.specs.probes import Features
-
-        unknown = set(expect) - (set(Features.model_fields) - {"schema_version", "toolchain", "archs", "errors"})
+        unknown = set(expect) - set(PROBE_FIELDS)
         if unknown:
             raise ValueError(f"expect: unknown probe(s) {sorted(unknown)}")
         return expect
@@ -129,7 +138,7 @@ class CompatMatrix(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     schema_version: Literal[1] = 1
-    archs: tuple[Arch, ...] = ("sm_90a", "sm_100a")
+    archs: tuple[Literal["sm_90a", "sm_100a"], ...] = ("sm_90a", "sm_100a")
     torch: str = Field("torch==2.13.0", description="installed first in every environment")
     only: tuple[str, ...] = Field((), description="spec-id globs; empty = the whole catalog")
     jobs: int | None = Field(None, ge=1, description="prebuild --jobs (default: CPU count)")
@@ -149,13 +158,9 @@ class CompatMatrix(BaseModel):
         return self
 
 
-def default_matrix_path() -> Path:
-    return Path(str(resources.files("dsa_aot.specs").joinpath("compat_matrix.toml")))
-
-
 def load_matrix(path: Path | str | None = None) -> CompatMatrix:
-    """Parse and validate a matrix file (the packaged one when ``path`` is None)."""
-    path = Path(path) if path is not None else default_matrix_path()
+    """Parse and validate a matrix file (this checkout's ``specs/compat_matrix.toml`` by default)."""
+    path = Path(path) if path is not None else DEFAULT_MATRIX
     try:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
@@ -185,23 +190,158 @@ def select_toolchains(matrix: CompatMatrix, *, slice_name: str | None = None,
     return rows
 
 
+# --- processes ---------------------------------------------------------------------------------
+
+def _log(message: str) -> None:
+    print(f"[compat] {message}", file=sys.stderr, flush=True)
+
+
+def _tail(text: str, lines: int = 20) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _run(argv: Sequence[str | Path], *, log: Path, timeout_s: float, env: dict[str, str] | None = None,
+         cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run argv in a session of its own, appending its output to ``log``.
+
+    A timeout kills the whole process group (compilers included) and reads as exit 124.
+    """
+    args = [str(a) for a in argv]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as fh:
+        fh.write(f"$ {' '.join(args)}\n")
+        fh.flush()
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                cwd=None if cwd is None else str(cwd), stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            out, err = proc.communicate()
+            fh.write(out + err + f"\n[timed out after {timeout_s:g} s]\n")
+            return subprocess.CompletedProcess(args, 124, out, err + f"\ntimed out after {timeout_s:g} s")
+        fh.write(out + err + f"[exit {proc.returncode}]\n")
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def _json_document(stdout: str) -> Any:
+    """The JSON document a CLI command printed on stdout (None when there is none)."""
+    try:
+        return json.loads(stdout)
+    except ValueError:
+        pass
+    lines = stdout.splitlines()
+    for k, line in enumerate(lines):  # tolerate stray lines before the document
+        if line.startswith(("{", "[")):
+            try:
+                return json.loads("\n".join(lines[k:]))
+            except ValueError:
+                continue
+    return None
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp.{os.getpid()}.{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+# --- this checkout on an interpreter's PYTHONPATH -----------------------------------------------
+
+def _package_dirs(repo: Path = REPO) -> dict[str, Path]:
+    """Package -> directory, from ``[tool.setuptools] package-dir`` of the checkout's pyproject."""
+    data = tomllib.loads((repo / "pyproject.toml").read_text())
+    mapping = data.get("tool", {}).get("setuptools", {}).get("package-dir", {})
+    if "dsa_aot" not in mapping:
+        raise CompatError(f"{repo / 'pyproject.toml'} maps no dsa_aot package directory")
+    return {name: (repo / rel).resolve() for name, rel in mapping.items()}
+
+
+def project_pythonpath(dest: Path, repo: Path = REPO) -> Path:
+    """A directory that makes ``import dsa_aot`` load this checkout, for another interpreter.
+
+    The wheel maps ``aot/``, ``kernels/``, ``specs/`` and ``cache/`` to one package; here that
+    mapping (read from ``pyproject.toml``) is rebuilt from symlinks (``dest/dsa_aot/*``), so a
+    cached environment never bakes in the path of the checkout that built it.
+    """
+    dest = Path(dest)
+    pkg = dest / "dsa_aot"
+    if pkg.is_symlink():
+        pkg.unlink()
+    elif pkg.exists():
+        shutil.rmtree(pkg)
+    pkg.mkdir(parents=True)
+    dirs = _package_dirs(repo)
+    root = dirs.pop("dsa_aot")
+    subs = {name.split(".", 1)[1]: path for name, path in dirs.items() if name.count(".") == 1}
+    for child in root.iterdir():
+        if child.name != "__pycache__" and child.name not in subs:
+            (pkg / child.name).symlink_to(child)
+    for name, path in subs.items():
+        (pkg / name).symlink_to(path, target_is_directory=True)
+    return dest
+
+
+_HOST_PATH: Path | None = None
+
+
+def host_environ(pythonpath: Path | None = None) -> dict[str, str]:
+    """Variables for this interpreter's own CLI calls, with this checkout on ``PYTHONPATH``."""
+    global _HOST_PATH
+    if pythonpath is None:
+        if _HOST_PATH is None:
+            tmp = Path(tempfile.mkdtemp(prefix="dsa-aot-compat-host-"))
+            atexit.register(shutil.rmtree, tmp, True)
+            _HOST_PATH = project_pythonpath(tmp / "path")
+        pythonpath = _HOST_PATH
+    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
+    env.update(PYTHONPATH=str(pythonpath), TILELANG_PRINT_ON_COMPILATION="0")
+    return env
+
+
+def cli(python: str | Path, args: Sequence[str | Path], *, environ: dict[str, str], log: Path,
+        timeout_s: float = CLI_TIMEOUT_S, cwd: Path | None = None) -> tuple[subprocess.CompletedProcess, Any]:
+    """``dsa-aot ARGS`` under ``python``; returns the process and the JSON it printed (or None)."""
+    proc = _run([python, "-m", "dsa_aot.cli", *args], log=log, timeout_s=timeout_s, env=environ, cwd=cwd)
+    return proc, _json_document(proc.stdout)
+
+
 # --- environments ------------------------------------------------------------------------------
 
-def runtime_requirements() -> tuple[str, ...]:
-    """Our own run-time dependencies (from the installed metadata), torch excepted."""
-    try:
-        reqs = md.requires("dsa-aot") or []
-    except md.PackageNotFoundError:
-        reqs = []
+def _requirement(req: str) -> str:
+    """``name<spec>`` with the comparison clauses sorted and no spaces (the metadata's form)."""
+    req = req.split(";", 1)[0].replace(" ", "")
+    match = _REQ_NAME.match(req)
+    if match is None:
+        return req
+    name, spec = match.group(1), req[match.end():]
+    return name + ",".join(sorted(s for s in spec.split(",") if s))
+
+
+def runtime_requirements(repo: Path = REPO) -> tuple[str, ...]:
+    """Our own run-time dependencies (``[project] dependencies`` of the checkout), torch excepted."""
+    data = tomllib.loads((repo / "pyproject.toml").read_text())
     out = []
-    for req in reqs:
+    for req in data.get("project", {}).get("dependencies", []):
         spec, _, marker = req.partition(";")
         if "extra" in marker:
             continue
-        name = re.split(r"[<>=!~ \[]", spec.strip(), maxsplit=1)[0]
-        if _normalize(name) != "torch":
-            out.append(spec.strip().replace(" ", ""))
-    return tuple(sorted(out)) or ("diskcache>=5.6", "filelock>=3.12", "pydantic>=2.6,<3")
+        match = _REQ_NAME.match(spec)
+        if match is not None and _normalize(match.group(1)) != "torch":
+            out.append(_requirement(spec))
+    return tuple(sorted(out))
 
 
 def env_key(row: ToolchainRow, torch_spec: str, runtime: Sequence[str]) -> str:
@@ -239,32 +379,6 @@ class Env(BaseModel):
         return self.path / "bin" / "python"
 
 
-def _log(message: str) -> None:
-    print(f"[compat] {message}", file=sys.stderr, flush=True)
-
-
-def _tail(text: str, lines: int = 20) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
-
-
-def _run(argv: Sequence[str], *, log: Path, timeout_s: float, env: dict[str, str] | None = None,
-         cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run argv, appending its output to ``log``; a timeout kills its process group (rc 124)."""
-    from dsa_aot.specs.probes import run_killable
-
-    args = [str(a) for a in argv]
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "a") as fh:
-        fh.write(f"$ {' '.join(args)}\n")
-        fh.flush()
-        rc, out, err = run_killable(args, timeout_s, env=env, cwd=None if cwd is None else str(cwd))
-        if rc is None:
-            fh.write(out + err + f"\n[timed out after {timeout_s:g} s]\n")
-            return subprocess.CompletedProcess(args, 124, out, err + f"\ntimed out after {timeout_s:g} s")
-        fh.write(out + err + f"[exit {rc}]\n")
-    return subprocess.CompletedProcess(args, rc, out, err)
-
-
 def _pip_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
@@ -298,7 +412,7 @@ def ensure_env(row: ToolchainRow, envs_dir: Path, *, torch_spec: str,
     envs_dir.mkdir(parents=True, exist_ok=True)
     ignore = envs_dir / ".gitignore"
     if not ignore.exists():
-        ignore.write_text("# virtualenvs built by `dsa-aot compat`; never committed\n*\n")
+        ignore.write_text("# virtualenvs built by tools/compat.py; never committed\n*\n")
     path = envs_dir / key
     start = time.perf_counter()
     with FileLock(str(envs_dir / f".{key}.lock"), timeout=ENV_TIMEOUT_S):
@@ -354,41 +468,10 @@ def env_path(row: ToolchainRow, envs_dir: Path, torch_spec: str = "torch==2.13.0
     return path if _read_env(path, key) is not None else None
 
 
-# --- this checkout on a toolchain's PYTHONPATH ---------------------------------------------------
-
-def _package_dir(module: str) -> Path:
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise CompatError(f"cannot locate the {module} package")
-    return Path(next(iter(spec.submodule_search_locations))).resolve()
-
-
-def project_pythonpath(dest: Path) -> Path:
-    """A directory that makes ``import dsa_aot`` load this checkout, for another interpreter.
-
-    The editable install maps ``aot/``, ``kernels/``, ``specs/`` and ``cache/`` to one package;
-    here that mapping is rebuilt from symlinks (``dest/dsa_aot/*``), so a cached environment
-    never bakes in the path of the checkout that built it.
-    """
-    dest = Path(dest)
-    pkg = dest / "dsa_aot"
-    if pkg.is_symlink():
-        pkg.unlink()
-    elif pkg.exists():
-        shutil.rmtree(pkg)
-    dest.mkdir(parents=True, exist_ok=True)
-    root = _package_dir("dsa_aot")
-    subs = {name: _package_dir(f"dsa_aot.{name}") for name in ("kernels", "specs", "cache")}
-    if all(p.parent == root for p in subs.values()):  # a regular install: one tree
-        pkg.symlink_to(root, target_is_directory=True)
-        return dest
-    pkg.mkdir()
-    for child in root.iterdir():
-        if child.name != "__pycache__" and child.name not in subs:
-            (pkg / child.name).symlink_to(child)
-    for name, path in subs.items():
-        (pkg / name).symlink_to(path, target_is_directory=True)
-    return dest
+def load_env(path: Path) -> Env:
+    """An environment built earlier, from its ``compat-env.json``."""
+    return Env(path=Path(path), info=EnvInfo.model_validate_json((Path(path) / ENV_MARKER).read_bytes()),
+               reused=True)
 
 
 def toolchain_environ(env: Env, pythonpath: Path, cache_dir: Path) -> dict[str, str]:
@@ -398,6 +481,92 @@ def toolchain_environ(env: Env, pythonpath: Path, cache_dir: Path) -> dict[str, 
                TILELANG_CACHE_DIR=str(env.path / "tilelang-cache"), TILELANG_PRINT_ON_COMPILATION="0",
                PATH=f"{env.path / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
     return out
+
+
+# --- what the CLI prints -------------------------------------------------------------------------
+
+class PrebuiltSpec(BaseModel):
+    """One row of ``dsa-aot prebuild --json``."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    status: Literal["built", "cached", "failed", "skipped-by-feature"]
+    seconds: float = 0.0
+    message: str = ""
+
+
+class PrebuildResult(BaseModel):
+    """``dsa-aot prebuild --json``: the key its entries went under, and one row per spec."""
+
+    model_config = ConfigDict(extra="ignore")
+    fingerprint: str
+    root: str
+    wall_seconds: float
+    specs: list[PrebuiltSpec]
+
+
+def parse_prebuild_json(stdout: str) -> PrebuildResult | None:
+    """The summary ``dsa-aot prebuild --json`` printed, or None when it printed none."""
+    data = _json_document(stdout)
+    if not isinstance(data, dict):
+        return None
+    try:
+        return PrebuildResult.model_validate(data)
+    except ValidationError:
+        return None
+
+
+class ListedSpec(BaseModel):
+    """One spec of ``dsa-aot list --json``: the fields that decide which call shape it serves."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    id: str
+    op: str
+    arch: str
+    d_qk: int
+    heads: int
+    layout: str
+    backend: str
+    tile: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def shape(self) -> tuple:
+        """What the loader resolves per call: every field but the backend."""
+        return (self.op, self.arch, self.d_qk, self.heads, self.layout, json.dumps(self.tile, sort_keys=True))
+
+
+def plan_specs(archs: Sequence[str], only: Sequence[str], *, environ: dict[str, str] | None = None,
+               log: Path | None = None) -> dict[str, ListedSpec]:
+    """Spec id -> spec for this checkout's catalog (``dsa-aot list --json``), by ``archs`` and ``only``."""
+    args: list[str] = ["list", "--json", *(a for arch in archs for a in ("--arch", arch)),
+                       *(a for pat in only for a in ("--only", pat))]
+    with tempfile.TemporaryDirectory(prefix="dsa-aot-compat-list-") as tmp:
+        proc, data = cli(sys.executable, args, environ=environ or host_environ(),
+                         log=log or Path(tmp) / "list.log")
+    if proc.returncode != 0 or not isinstance(data, list):
+        raise CompatError(f"dsa-aot list failed (exit {proc.returncode}): {_tail(proc.stderr or proc.stdout, 3)}")
+    try:
+        specs = [ListedSpec.model_validate(item) for item in data]
+    except ValidationError as exc:
+        raise CompatError(f"dsa-aot list --json printed an unexpected spec: {exc}") from None
+    return {s.id: s for s in specs}
+
+
+#: The loader's ranking for a catalog without a ``[ranking]`` table.
+_DEFAULT_RANKING = {"fwd": ["tilelang"], "bwd": ["tilelang"]}
+
+
+def loader_ranking(catalog: Path | None = None, environ: Mapping[str, str] | None = None) -> dict[str, list[str]]:
+    """Backend order per op that the loader tries: ``DSA_AOT_BACKENDS`` if set, else the catalog's
+    ``[ranking]`` (this checkout's ``specs/catalog.toml`` by default)."""
+    environ = os.environ if environ is None else environ
+    path = Path(catalog) if catalog is not None else _package_dirs()["dsa_aot.specs"] / "catalog.toml"
+    table = tomllib.loads(path.read_text()).get("ranking", _DEFAULT_RANKING)
+    ranking = {op: [str(b) for b in names] for op, names in table.items()}
+    forced = environ.get("DSA_AOT_BACKENDS", "").replace(",", " ").split()
+    if forced:  # replaces the ranking of every op (a backend without that op is skipped for it)
+        return {op: list(dict.fromkeys(forced)) for op in ranking}
+    return ranking
 
 
 # --- the report --------------------------------------------------------------------------------
@@ -448,8 +617,7 @@ class CompatReport(BaseModel):
     toolchains: list[ToolchainResult]
     specs: list[SpecRow]
     wall_seconds: float = 0.0
-    problems: list[str] = Field(default_factory=list,
-                                description="what makes `dsa-aot compat` exit 1")
+    problems: list[str] = Field(default_factory=list, description="what makes tools/compat.py exit 1")
 
     def cell(self, spec_id: str, toolchain: str) -> Cell | None:
         for row in self.specs:
@@ -462,11 +630,22 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def machine_info() -> dict[str, Any]:
-    """What the report ran on: OS, CPU, memory, Python, nvcc, GPUs (no host name)."""
-    from dsa_aot.prebuild import detect_gpu_archs
-    from dsa_aot.specs.toolchain import resolve_nvcc
+def _nvcc_path() -> str | None:
+    """The nvcc this machine offers (``DSA_AOT_NVCC``, ``CUDA_HOME``, ``PATH``), for the report."""
+    for candidate in (os.environ.get("DSA_AOT_NVCC"),
+                      *(str(Path(os.environ[v]) / "bin" / "nvcc") for v in ("CUDA_HOME", "CUDA_PATH")
+                        if os.environ.get(v)),
+                      shutil.which("nvcc")):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    return None
 
+
+def machine_info(doctor: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What the report ran on: OS, CPU, memory, Python, nvcc, GPUs (no host name).
+
+    ``doctor`` is what this checkout's ``dsa-aot doctor`` printed (nvcc version, GPU archs).
+    """
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -482,15 +661,11 @@ def machine_info() -> dict[str, Any]:
         mem_gib = round(kib / 2**20, 1)
     except (OSError, StopIteration, ValueError):
         pass
-    nvcc = resolve_nvcc()
-    nvcc_version = None
-    if nvcc is not None and nvcc.exists():
-        from dsa_aot.specs.toolchain import nvcc_version as _nvcc_version
-
-        nvcc_version = _nvcc_version(nvcc)[0]
+    doctor = doctor or {}
     return {"os": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(), "memory_gib": mem_gib,
-            "python": platform.python_version(), "nvcc": str(nvcc) if nvcc else None,
-            "nvcc_version": nvcc_version, "gpu_archs": detect_gpu_archs()}
+            "python": platform.python_version(), "nvcc": _nvcc_path(),
+            "nvcc_version": (doctor.get("toolchain") or {}).get("nvcc_version"),
+            "gpu_archs": doctor.get("gpu_archs") or []}
 
 
 def check_expectations(expect: dict[str, Any], probes: dict[str, Any] | None,
@@ -512,50 +687,29 @@ def check_expectations(expect: dict[str, Any], probes: dict[str, Any] | None,
 
 # --- running one toolchain ---------------------------------------------------------------------
 
-_PROBE_CODE = """
-import json, sys
-from pathlib import Path
-from dsa_aot.specs.probes import load_or_probe
-from dsa_aot.specs.toolchain import Toolchain
-cache, archs = Path(sys.argv[1]), sys.argv[2].split(",")
-tc = Toolchain.current()
-features = load_or_probe(cache / tc.fingerprint / "features.json", archs, toolchain=tc)
-print("DSA_AOT_COMPAT " + json.dumps({"fingerprint": tc.fingerprint, "complete": tc.complete,
-      "incomplete": list(tc.incomplete_reasons), "features": features.model_dump(mode="json")}))
-"""
+def cells_from_prebuild(result: PrebuildResult, spec_ids: Iterable[str], log: Path) -> dict[str, Cell]:
+    """One cell per spec from prebuild's JSON: built (now or earlier), skipped, failed."""
+    rows = {r.id: r for r in result.specs}
+    cells = {}
+    for spec_id in spec_ids:
+        row = rows.get(spec_id)
+        if row is None:
+            cells[spec_id] = Cell(status="failed", detail=f"not in prebuild's summary (see {log})")
+        elif row.status in ("built", "cached"):
+            cells[spec_id] = Cell(status="built")
+        else:
+            message = row.message
+            if message.startswith(spec_id):  # "<id> stage fwd: ...": the row names the spec
+                message = message[len(spec_id):].lstrip(" :")
+            cells[spec_id] = Cell(status=row.status, detail=message or f"no reason given (see {log})")
+    return cells
 
 
-def _marked_json(stdout: str, mark: str = "DSA_AOT_COMPAT ") -> dict[str, Any] | None:
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(mark):
-            try:
-                return json.loads(line[len(mark):])
-            except ValueError:
-                return None
-    return None
-
-
-def parse_prebuild_output(stdout: str) -> tuple[str | None, dict[str, tuple[str, str]]]:
-    """``(fingerprint, {spec id: (status, message)})`` from ``dsa-aot prebuild``'s summary table."""
-    fingerprint = None
-    problems: dict[str, tuple[str, str]] = {}
-    for line in stdout.splitlines():
-        m = _FINGERPRINT_LINE.match(line)
-        if m and fingerprint is None:
-            fingerprint = m.group(1)
-            continue
-        m = _PROBLEM_LINE.match(line)
-        if m:
-            problems[m.group(1)] = (m.group(2), m.group(3).strip())
-    return fingerprint, problems
-
-
-def run_toolchain(row: ToolchainRow, env: Env, spec_ids: dict[str, KernelSpec], *, archs: Sequence[str],
+def run_toolchain(row: ToolchainRow, env: Env, spec_ids: Sequence[str], *, archs: Sequence[str],
                   only: Sequence[str], jobs: int, pythonpath: Path) -> tuple[ToolchainResult, dict[str, Cell]]:
-    """Probes, then ``dsa-aot prebuild`` of ``spec_ids`` (id -> spec), inside ``env``.
+    """``dsa-aot doctor --probes``, ``prebuild --json`` of ``spec_ids`` and ``gc``, inside ``env``.
 
-    Never raises for a compiler problem: each spec becomes a cell. "built" means an entry
-    exists under the fingerprint prebuild printed (built now, or by an earlier run).
+    Never raises for a compiler problem: each spec becomes a cell.
     """
     result = ToolchainResult(name=row.name, note=row.note, required=row.required, pins=row.pins,
                              env_key=env.info.key, env_reused=env.reused,
@@ -564,61 +718,50 @@ def run_toolchain(row: ToolchainRow, env: Env, spec_ids: dict[str, KernelSpec], 
                              seconds={"env": round(env.seconds, 1)})
     cache = env.path / "dsa-aot-cache"
     logs = env.path / "logs"
-    for name in ("probes.log", "prebuild.log"):  # this run's output only
+    for name in ("probes.log", "prebuild.log", "gc.log"):  # this run's output only
         (logs / name).unlink(missing_ok=True)
     environ = toolchain_environ(env, pythonpath, cache)
-    py = str(env.python)
+    py = env.python
 
     start = time.perf_counter()
-    probe = _run([py, "-c", _PROBE_CODE, str(cache), ",".join(archs)], log=logs / "probes.log",
-                 timeout_s=PROBE_TIMEOUT_S, env=environ, cwd=env.path)
+    proc, doctor = cli(py, ["doctor", "--probes", "--cache-dir", cache], environ=environ,
+                       log=logs / "probes.log", timeout_s=PROBE_TIMEOUT_S, cwd=env.path)
     result.seconds["probes"] = round(time.perf_counter() - start, 1)
-    data = _marked_json(probe.stdout)
-    if data is None:
-        result.error = f"probes did not run: {_tail(probe.stderr or probe.stdout, 3)}"
+    if proc.returncode != 0 or not isinstance(doctor, dict) or "features" not in doctor:
+        result.error = f"probes did not run: {_tail(proc.stderr or proc.stdout, 3)}"
     else:
-        result.fingerprint = data["fingerprint"]
-        features = dict(data["features"])
+        result.fingerprint = doctor.get("fingerprint")
+        features = dict(doctor["features"])
         result.probe_errors = {k: _tail(v, 3)[:500] for k, v in features.pop("errors", {}).items()}
         features.pop("toolchain", None)
         result.probes = features
-        if not data["complete"]:
-            result.error = "toolchain fingerprint incomplete: " + "; ".join(data["incomplete"])
+        toolchain = doctor.get("toolchain") or {}
+        if toolchain.get("complete") is False:
+            result.error = "toolchain fingerprint incomplete: " + "; ".join(toolchain.get("incomplete_reasons", []))
     result.expect_mismatches = check_expectations(row.expect, result.probes, archs)
     _log(f"{row.name}: probes in {result.seconds['probes']:.0f} s, fingerprint {result.fingerprint}")
 
-    cells: dict[str, Cell] = {}
     if not spec_ids:
-        return result, cells
-    argv = [py, "-m", "dsa_aot.cli", "prebuild", "-q", "--cache-dir", str(cache), "--jobs", str(jobs)]
-    argv += [a for arch in archs for a in ("--arch", arch)]
-    argv += [a for pat in only for a in ("--only", pat)]  # none: the whole catalog
+        return result, {}
+    args: list[str | Path] = ["prebuild", "-q", "--json", "--cache-dir", cache, "--jobs", str(jobs)]
+    args += [a for arch in archs for a in ("--arch", arch)]
+    args += [a for pat in only for a in ("--only", pat)]  # none: the whole catalog
     start = time.perf_counter()
     _log(f"{row.name}: prebuild of {len(spec_ids)} specs (--jobs {jobs})")
-    pre = _run(argv, log=logs / "prebuild.log", timeout_s=PREBUILD_TIMEOUT_S, env=environ, cwd=env.path)
+    log = logs / "prebuild.log"
+    proc, _ = cli(py, args, environ=environ, log=log, timeout_s=PREBUILD_TIMEOUT_S, cwd=env.path)
     result.seconds["prebuild"] = round(time.perf_counter() - start, 1)
-    result.prebuild_exit = pre.returncode
-    fingerprint, problems = parse_prebuild_output(pre.stdout)
-    if fingerprint and result.fingerprint and fingerprint != result.fingerprint:
-        result.error = f"prebuild keyed {fingerprint}, probes {result.fingerprint}: sources changed mid-run"
-    if pre.returncode not in (0, 1):
-        why = _tail(pre.stderr or pre.stdout, 1) or f"exit {pre.returncode}"
+    result.prebuild_exit = proc.returncode
+    summary = parse_prebuild_json(proc.stdout)
+    if proc.returncode not in (0, 1) or summary is None:
+        why = _tail(proc.stderr or proc.stdout, 1) or f"exit {proc.returncode}"
         return result, {s: Cell(status="failed", detail=f"prebuild did not run: {why}") for s in spec_ids}
-    from dsa_aot.cache.store import ArtifactStore
-
-    store = ArtifactStore(cache, read_only=True)  # entries under the key prebuild printed
-    for spec_id, spec in spec_ids.items():
-        if spec_id in problems:
-            kind, message = problems[spec_id]
-            if message.startswith(spec_id):  # "<id> stage fwd: ...": the row names the spec
-                message = message[len(spec_id):].lstrip(" :")
-            cells[spec_id] = Cell(status=kind, detail=message)  # type: ignore[arg-type]
-        elif fingerprint and store.lookup(fingerprint, spec.arch, spec_id) is not None:
-            cells[spec_id] = Cell(status="built")
-        else:
-            cells[spec_id] = Cell(status="failed", detail=f"no artifact and no reason (see {logs / 'prebuild.log'})")
-    if fingerprint:  # keep this key's artifacts for the next run, drop older keys'
-        ArtifactStore(cache).gc(fingerprint)
+    if result.fingerprint and summary.fingerprint != result.fingerprint:
+        result.error = f"prebuild keyed {summary.fingerprint}, probes {result.fingerprint}: sources changed mid-run"
+    cells = cells_from_prebuild(summary, spec_ids, log)
+    gc, _ = cli(py, ["gc", "--cache-dir", cache], environ=environ, log=logs / "gc.log", cwd=env.path)
+    if gc.returncode != 0:  # keeps this key's artifacts for the next run, drops older keys'
+        _log(f"{row.name}: dsa-aot gc exited {gc.returncode} (see {logs / 'gc.log'})")
     for kind in ("built", "skipped-by-feature", "failed"):
         result.counts[kind] = sum(c.status == kind for c in cells.values())
     _log(f"{row.name}: prebuild in {result.seconds['prebuild']:.0f} s: "
@@ -626,32 +769,20 @@ def run_toolchain(row: ToolchainRow, env: Env, spec_ids: dict[str, KernelSpec], 
     return result, cells
 
 
-def plan_specs(archs: Sequence[str], only: Sequence[str]) -> dict[str, KernelSpec]:
-    """Spec id -> spec for this checkout's catalog, selected by ``archs`` and ``only``."""
-    from dsa_aot import registry
-    from dsa_aot.specs.catalog import load_catalog, select
-
-    specs = load_catalog().specs(implemented=registry.implemented())
-    return {s.id: s for s in select(specs, archs=list(archs), only=list(only) or None)}
-
-
-def _mark_fallbacks(report: CompatReport, specs: dict[str, KernelSpec]) -> None:
+def mark_fallbacks(report: CompatReport, specs: Mapping[str, ListedSpec],
+                   ranking: Mapping[str, Sequence[str]]) -> None:
     """For each cell not built: what the loader would serve that call shape with instead.
 
-    The loader tries the catalog's ranking for the op in order and ends at the torch
-    reference; only the specs in this report count as available.
+    The loader tries ``ranking`` for the op in order and ends at the torch reference; only the
+    specs in this report count as available.
     """
-    from dsa_aot.specs.catalog import load_catalog
-
-    ranking = load_catalog().ranking
     shapes: dict[tuple, dict[str, str]] = {}
     for spec in specs.values():
-        shape = (spec.op, spec.arch, spec.d_qk, spec.heads, spec.layout, spec.tile)
-        shapes.setdefault(shape, {})[spec.backend] = spec.id
+        shapes.setdefault(spec.shape, {})[spec.backend] = spec.id
     rows = {r.id: r for r in report.specs}
     for row in report.specs:
         spec = specs[row.id]
-        same_shape = shapes[(spec.op, spec.arch, spec.d_qk, spec.heads, spec.layout, spec.tile)]
+        same_shape = shapes[spec.shape]
         for name, cell in list(row.results.items()):
             if cell.status == "built":
                 continue
@@ -661,35 +792,45 @@ def _mark_fallbacks(report: CompatReport, specs: dict[str, KernelSpec]) -> None:
             row.results[name] = cell.model_copy(update={"loader_uses": served})
 
 
+def _display_path(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def run_compat(matrix_path: Path | None = None, *, envs_dir: Path = DEFAULT_ENVS_DIR,
                slice_name: str | None = None, toolchains: Sequence[str] | None = None,
                shard: tuple[int, int] | None = None, only: Sequence[str] | None = None,
                jobs: int | None = None) -> CompatReport:
     """Build/reuse every selected toolchain's environment, probe and prebuild in it, report."""
     start = time.perf_counter()
-    path = Path(matrix_path) if matrix_path is not None else default_matrix_path()
+    path = Path(matrix_path) if matrix_path is not None else DEFAULT_MATRIX
     matrix = load_matrix(path)
     rows = select_toolchains(matrix, slice_name=slice_name, names=toolchains, shard=shard)
     if not rows:
         raise CompatError("no toolchain selected (empty shard?)")
     globs = tuple(only) if only else (matrix.slices[slice_name].only if slice_name and
                                       matrix.slices[slice_name].only else matrix.only)
-    spec_ids = plan_specs(matrix.archs, globs)
     jobs = jobs or matrix.jobs or os.cpu_count() or 1
     runtime = runtime_requirements()
-    report = CompatReport(
-        generated=_now(), machine=machine_info(), toolchains=[], specs=[SpecRow(id=s) for s in spec_ids],
-        matrix={"path": _display_path(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-                "archs": list(matrix.archs), "only": list(globs), "slice": slice_name,
-                "shard": f"{shard[0]}/{shard[1]}" if shard else None, "torch": matrix.torch,
-                "toolchains": [r.name for r in rows], "jobs": jobs})
-    by_id = {r.id: r for r in report.specs}
-    from dsa_aot.specs.toolchain import Toolchain
-
-    running = Toolchain.current().fingerprint
+    ranking = loader_ranking()
     workdir = Path(tempfile.mkdtemp(prefix="dsa-aot-compat-"))
     try:
         pythonpath = project_pythonpath(workdir / "path")
+        host = host_environ(pythonpath)
+        specs = plan_specs(matrix.archs, globs, environ=host, log=workdir / "list.log")
+        _, doctor = cli(sys.executable, ["doctor", "--cache-dir", workdir / "cache"], environ=host,
+                        log=workdir / "doctor.log")
+        running = doctor.get("fingerprint") if isinstance(doctor, dict) else None
+        report = CompatReport(
+            generated=_now(), machine=machine_info(doctor if isinstance(doctor, dict) else None),
+            toolchains=[], specs=[SpecRow(id=s) for s in specs],
+            matrix={"path": _display_path(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+                    "archs": list(matrix.archs), "only": list(globs), "slice": slice_name,
+                    "shard": f"{shard[0]}/{shard[1]}" if shard else None, "torch": matrix.torch,
+                    "toolchains": [r.name for r in rows], "jobs": jobs, "ranking": ranking})
+        by_id = {r.id: r for r in report.specs}
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as builder:
             pending = [builder.submit(ensure_env, r, Path(envs_dir), torch_spec=matrix.torch, runtime=runtime)
                        for r in rows]  # one pip at a time, ahead of the compilers
@@ -705,7 +846,7 @@ def run_compat(matrix_path: Path | None = None, *, envs_dir: Path = DEFAULT_ENVS
                     report.problems.append(f"{row.name}: {result.error}")
                     _log(f"{row.name}: {result.error}")
                     continue
-                result, cells = run_toolchain(row, env, spec_ids, archs=matrix.archs, only=globs,
+                result, cells = run_toolchain(row, env, list(specs), archs=matrix.archs, only=globs,
                                               jobs=jobs, pythonpath=pythonpath)
                 result.same_as_running = result.fingerprint == running if result.fingerprint else None
                 report.toolchains.append(result)
@@ -713,7 +854,7 @@ def run_compat(matrix_path: Path | None = None, *, envs_dir: Path = DEFAULT_ENVS
                     by_id[spec_id].results[row.name] = cell
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    _mark_fallbacks(report, spec_ids)
+    mark_fallbacks(report, specs, ranking)
     report.problems += _problems(report)
     report.wall_seconds = round(time.perf_counter() - start, 1)
     return report
@@ -735,13 +876,6 @@ def _problems(report: CompatReport) -> list[str]:
         elif t.fingerprint:
             seen[t.fingerprint] = t.name
     return out
-
-
-def _display_path(path: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
 
 
 def merge_reports(paths: Iterable[Path]) -> CompatReport:
@@ -780,10 +914,11 @@ def render_markdown(report: CompatReport) -> str:
     """``docs/compat.md``: toolchains, probes, and the spec x toolchain table with footnotes."""
     names = [t.name for t in report.toolchains]
     m, mach = report.matrix, report.machine
+    ranking = m.get("ranking") or {}
     lines = [
         "# Toolchain compatibility",
         "",
-        f"Generated by `dsa-aot compat` on {report.generated} in {report.wall_seconds / 60:.1f} min "
+        f"Generated by `python tools/compat.py` on {report.generated} in {report.wall_seconds / 60:.1f} min "
         f"from `{m['path']}` (sha256 `{m['sha256'][:12]}`)"
         + (f", slice `{m['slice']}`" if m.get("slice") else "")
         + (f", shard {m['shard']}" if m.get("shard") else "") + ".",
@@ -795,11 +930,13 @@ def render_markdown(report: CompatReport) -> str:
         f"(`{mach.get('nvcc')}`); GPUs: {', '.join(mach.get('gpu_archs') or []) or 'none (compile only)'}.",
         "Every toolchain has its own fingerprint, so the artifacts of one are never found under another.",
         "",
-        "Regenerate with `make compat` (or `dsa-aot compat --help`). A cell says what "
+        "Regenerate with `make compat` (or `python tools/compat.py --help`). A cell says what "
         "`dsa-aot prebuild` did for the spec under that toolchain: **built**, **skipped** (a probed "
         "feature is missing) or **failed** (first compiler error line in the notes); after the "
         "arrow, what the loader serves that call shape with instead (the next backend of the "
-        "catalog's ranking that built, else the torch reference).",
+        "ranking that built, else the torch reference)"
+        + ("; ranking " + ", ".join(f"{op}: {' > '.join(b)}" for op, b in ranking.items()) if ranking else "")
+        + ".",
         "",
     ]
     if report.problems:
@@ -833,8 +970,8 @@ def render_markdown(report: CompatReport) -> str:
             value = (value or {}).get(arch) if arch else value
             cells.append(_fmt(value))
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
-    mismatches = [f"- **{t.name}: {m} (the matrix's `expect` is out of date, or the release changed)**"
-                  for t in report.toolchains for m in t.expect_mismatches]
+    mismatches = [f"- **{t.name}: {mm} (the matrix's `expect` is out of date, or the release changed)**"
+                  for t in report.toolchains for mm in t.expect_mismatches]
     if mismatches:
         lines += [""] + mismatches
     probe_notes = [(t.name, k, v) for t in report.toolchains for k, v in t.probe_errors.items()
@@ -874,12 +1011,10 @@ def render_markdown(report: CompatReport) -> str:
 
 def write_report(report: CompatReport, out: Path) -> tuple[Path, Path]:
     """Write ``<out>.json`` and ``<out>.md`` atomically; returns both paths."""
-    from dsa_aot.specs.probes import write_atomic
-
     out = Path(out)
     json_path, md_path = out.with_name(out.name + ".json"), out.with_name(out.name + ".md")
-    write_atomic(json_path, (report.model_dump_json(indent=1) + "\n").encode())
-    write_atomic(md_path, render_markdown(report).encode())
+    _write_atomic(json_path, (report.model_dump_json(indent=1) + "\n").encode())
+    _write_atomic(md_path, render_markdown(report).encode())
     return json_path, md_path
 
 
@@ -893,3 +1028,51 @@ def format_summary(report: CompatReport) -> str:
     lines += [f"  problem: {p}" for p in report.problems]
     lines.append(f"  {len(report.specs)} specs x {len(report.toolchains)} toolchains in {report.wall_seconds:.0f} s")
     return "\n".join(lines)
+
+
+# --- command line ------------------------------------------------------------------------------
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: use i/n, e.g. 1/4") from None
+    if not 1 <= i <= n:
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: need 1 <= i <= n")
+    return i, n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tools/compat.py",
+                                description="per toolchain of a matrix: own venv, probes, prebuild; report")
+    p.add_argument("--matrix", type=Path, default=None, help=f"matrix TOML (default: {DEFAULT_MATRIX.relative_to(REPO)})")
+    p.add_argument("--slice", default=None, help="run a [slices.NAME] of the matrix, e.g. ci")
+    p.add_argument("--toolchain", action="append", metavar="GLOB", help="toolchain name glob (repeatable)")
+    p.add_argument("--shard", type=_shard, default=None, help="run toolchain shard i of n (1-based), e.g. 1/3")
+    p.add_argument("--only", action="append", metavar="GLOB", help="spec id glob (repeatable; default: the matrix's)")
+    p.add_argument("--envs-dir", type=Path, default=DEFAULT_ENVS_DIR, help="cached virtualenvs (reused)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="writes OUT.json and OUT.md")
+    p.add_argument("--jobs", "-j", type=int, default=None, help="prebuild jobs (default: the matrix's)")
+    p.add_argument("--merge", nargs="+", type=Path, metavar="JSON", help="merge shard reports, run nothing")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.merge:
+            report = merge_reports(args.merge)
+        else:
+            report = run_compat(args.matrix, envs_dir=args.envs_dir, slice_name=args.slice,
+                                toolchains=args.toolchain, shard=args.shard, only=args.only, jobs=args.jobs)
+        paths = write_report(report, args.out)
+    except (CompatError, FileNotFoundError, ValueError) as exc:
+        print(f"tools/compat.py: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_summary(report))
+    print("wrote " + " and ".join(str(p) for p in paths))
+    return 1 if report.problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,42 +1,35 @@
-"""Build CuTe DSL kernels ahead of time into shared libraries that load without ``cutlass``.
+"""Build side of the CuTe DSL backend: spec -> worker requests -> exported, linked libraries.
 
-Each build runs in a worker process (``python -m dsa_aot.cutedsl_backend worker``) whose
-environment has ``CUTE_DSL_ARCH=<arch>`` before ``cutlass`` is imported: the DSL reads it once
-at import and otherwise assumes sm_100, so an sm_90a export on a machine without that GPU fails.
-The worker ``cute.compile``s with ``--gpu-arch <arch>`` over dynamic-shape fake tensors and calls
+Each build runs in a worker process (:mod:`dsa_aot.backends.cutedsl.worker`) whose environment
+has ``CUTE_DSL_ARCH=<arch>`` before ``cutlass`` is imported: the DSL reads it once at import
+and otherwise assumes sm_100, so an sm_90a export on a machine without that GPU fails. The
+worker ``cute.compile``s with ``--gpu-arch <arch>`` over dynamic-shape fake tensors and calls
 ``export_to_c`` (a ``.h`` and a ``.o`` holding the host launcher plus the embedded cubin). This
 process then links the ``.o`` into ``<name>.so`` and writes ``record.json``
-(:class:`CuteExportRecord`), which is everything :mod:`dsa_aot.cutedsl_runtime` needs.
+(:class:`~dsa_aot.backends.cutedsl.records.CuteExportRecord`), which is everything
+:mod:`dsa_aot.backends.cutedsl.runtime` needs.
 
 Link modes:
 
-* ``dsl_runtime`` (default): ``cc -shared <name>.o -L<libdir> -lcute_dsl_runtime`` with the
-  library directory from ``cutlass.cute.export.aot_config``. At run time the ``.so`` needs the
-  DSL's ``libcute_dsl_runtime.so`` (about 42 MiB, no dependencies besides glibc; it carries
-  its own CUDA runtime and opens ``libcuda`` itself). The record names it with size and sha256.
-* ``static_cudart``: the ``.o`` plus the DSL's ``libcuda_dialect_runtime_static.a`` (the thin
-  ``_cuda*`` shims the object calls) plus the CUDA toolkit's ``libcudart_static.a``: a
-  self-contained ``.so`` of about 1 MiB; it needs a driver new enough for that toolkit's
-  CUDA runtime (recorded as ``cudart_version``).
+* ``dsl_runtime``: ``cc -shared <name>.o -L<libdir> -lcute_dsl_runtime`` with the library
+  directory from ``cutlass.cute.export.aot_config``. At run time the ``.so`` needs the DSL's
+  ``libcute_dsl_runtime.so`` (about 42 MiB); the record names it with size and sha256.
+* ``static_cudart`` (what the backend ships): the ``.o`` plus the DSL's
+  ``libcuda_dialect_runtime_static.a`` plus the CUDA toolkit's ``libcudart_static.a`` (the
+  toolkit whose nvcc keys the cache, :func:`dsa_aot.toolkit.toolkit_root`): a self-contained
+  ``.so`` of about 1 MiB that needs a driver new enough for that CUDA runtime.
 
-Kernels: ``bwd_preprocess`` and ``bwd_postprocess`` (no compile-time parameters besides the
-arch) and ``fwd``, the sparse MLA forward (:mod:`dsa_aot.kernels.cutedsl_fwd`), specialised on
-``d_qk``, ``heads`` and ``layout`` (plus the MMA flavour ``impl`` and ``kv_stages``, defaulted
-per arch) and taking the run-time scalar ``softmax_scale`` (float32, passed by value). Forward
-artifacts are named ``cutedsl_fwd_<arch>_d<d_qk>_h<heads>_<layout>[_<impl>][_kv<n>][_static]``,
-the optional parts present only where they differ from the defaults.
-
-``bwd_main``, the backward main stage (:mod:`dsa_aot.kernels.cutedsl_bwd_main`: ``dq`` and the
-fp32 ``dkv_acc`` atomics), takes ``d_qk``, ``heads``, ``layout`` and ``impl`` (``mma``, the
-default, or ``wgmma`` on sm_90a) and ``softmax_scale`` the same way; its artifacts are named
-``cutedsl_bwd_main_<arch>_d<d_qk>_h<heads>_<layout>[_wgmma][_static]``.
-
-Records are JSON; this module imports only the standard library and pydantic.
+:func:`requests_for` maps a :class:`~dsa_aot.specs.models.KernelSpec` onto requests: ``d_qk``,
+``heads``, ``layout`` and the tile (``flavour``: the MMA flavour, ``num_stages``: the forward's
+KV tiles in flight) become compile-time parameters, or the spec is refused with the reason.
+Artifacts are named ``cutedsl_<stage>_<arch>[_d<d_qk>_h<heads>_<layout>][_<flavour>][_kv<n>]
+[_isfinite|_infcmp][_static]``, optional parts present only where they differ from the defaults.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -44,150 +37,29 @@ import shutil
 import subprocess
 import sys
 import time
-import traceback
 import uuid
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dsa_aot.cache.store import sha256_file
+from dsa_aot import settings
+from dsa_aot.backends.cutedsl.records import (
+    DSL_RUNTIME_LIB, FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES, RECORD_FILE, WORKER_MODULE, _DSL_STATIC_SHIMS,
+    Arch, CuteBuildError, CuteExportRecord, CuteKernel, CuteSymbols, FwdImpl, FwdLayout, LinkMode,
+    RuntimeLibRecord, ScalarArgRecord, StreamArgRecord, TensorArgRecord)
+from dsa_aot.toolkit import toolkit_root
 
-Arch = Literal["sm_90a", "sm_100a"]
-CuteKernel = Literal["bwd_preprocess", "bwd_postprocess", "fwd", "bwd_main"]
-FwdLayout = Literal["compact", "noncompact"]
-FwdImpl = Literal["mma", "wgmma", "wgmma_pipe", "wgmma_ws"]
-#: The forward's MMA flavour per arch when a request names none (wgmma needs sm_90a).
-FWD_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma_ws", "sm_100a": "mma"}
-#: Gathered KV tiles in flight per flavour when a request names none (measured on the H200:
-#: mma 241 vs 208 TFLOPS with one vs two, wgmma 376 vs 353 with two vs one).
-FWD_DEFAULT_KV_STAGES: dict[str, int] = {"mma": 1, "wgmma": 2, "wgmma_pipe": 2,
-                                         "wgmma_ws": 2}
-LinkMode = Literal["dsl_runtime", "static_cudart"]
-CType = Literal["int32", "int64"]
-
-RECORD_FILE = "record.json"
-RECORD_FORMAT = 1
-#: The DSL runtime library the ``dsl_runtime`` link mode needs at run time.
-DSL_RUNTIME_LIB = "libcute_dsl_runtime.so"
-_DSL_STATIC_SHIMS = "libcuda_dialect_runtime_static.a"
-_MODULE = "dsa_aot.cutedsl_backend"
+if TYPE_CHECKING:
+    from dsa_aot.specs.models import KernelSpec
 
 
-class CuteBuildError(RuntimeError):
-    """A CuTe DSL build, export or link step failed; the message says which and why."""
-
-
-# --------------------------------------------------------------------------------------------
-# Records
-# --------------------------------------------------------------------------------------------
-
-class DimRecord(BaseModel):
-    """One shape or stride entry: a compile-time ``value``, or run-time (``value`` None)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    value: int | None = None
-    symbol: str | None = Field(None, description="run-time dims sharing a symbol must be equal")
-    divisibility: int = Field(1, ge=1, description="a run-time value must be a multiple of it")
-
-
-class TensorArgRecord(BaseModel):
-    """A tensor argument, passed as ``{void *data; shapes[n]; strides[m]}`` (run-time dims only)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    kind: Literal["tensor"] = "tensor"
-    name: str
-    dtype: Literal["bfloat16", "float16", "float32", "int32", "int64"]
-    shape: tuple[DimRecord, ...]
-    stride: tuple[DimRecord, ...]
-    shape_ctype: CType = "int32"
-    stride_ctype: CType = "int64"
-    align: int = Field(ge=1, description="byte alignment the kernel assumes for the data pointer")
-
-    @property
-    def dynamic_shape_dims(self) -> tuple[int, ...]:
-        return tuple(i for i, d in enumerate(self.shape) if d.value is None)
-
-    @property
-    def dynamic_stride_dims(self) -> tuple[int, ...]:
-        return tuple(i for i, d in enumerate(self.stride) if d.value is None)
-
-
-class StreamArgRecord(BaseModel):
-    """A ``cudaStream_t`` argument."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    kind: Literal["stream"] = "stream"
-    name: str
-
-
-class ScalarArgRecord(BaseModel):
-    """A scalar passed by value (``&value`` in the packed argument array)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    kind: Literal["scalar"] = "scalar"
-    name: str
-    dtype: Literal["float32"]
-
-
-ArgRecord = Annotated[Union[TensorArgRecord, StreamArgRecord, ScalarArgRecord],
-                      Field(discriminator="kind")]
-
-
-class RuntimeLibRecord(BaseModel):
-    """A shared library the artifact needs loaded (``RTLD_GLOBAL``) before it is opened."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    name: str = Field(description="file name, also its SONAME, e.g. libcute_dsl_runtime.so")
-    distribution: str = Field(description="pip distribution that ships it")
-    package_path: str = Field(description="path inside site-packages")
-    size: int
-    sha256: str
-
-
-class CuteSymbols(BaseModel):
-    """Entry points of the exported object (MLIR C interface: ``void f(void **args[, n])``).
-
-    ``init(&{&library, &err})`` loads the embedded cubin once per process;
-    ``load_to_device(&{&library, &device, &err})`` prepares one device;
-    ``entry(args, n)`` launches, ``args`` being one pointer per argument (a tensor descriptor,
-    ``&stream``) followed by ``&ret`` (int32, a CUDA error code; 0 on success).
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    init: str
-    load_to_device: str
-    entry: str
-
-
-class CuteExportRecord(BaseModel):
-    """One exported, linked CuTe DSL kernel (``record.json`` beside ``library``)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    format: Literal[1] = RECORD_FORMAT
-    name: str
-    kernel: CuteKernel
-    arch: Arch
-    prefix: str = Field(description="C symbol prefix given to export_to_c")
-    library: str = Field(description="linked shared library, relative to the record")
-    object_file: str
-    header: str
-    symbols: CuteSymbols
-    args: tuple[ArgRecord, ...]
-    link: LinkMode
-    runtime_libs: tuple[RuntimeLibRecord, ...] = ()
-    cudart_version: int | None = Field(None, description="static CUDA runtime linked in, if any")
-    use_isfinite: bool | None = Field(None, description="finiteness via cute.math.isfinite "
-                                      "(True) or +-inf compares (False); None if not used")
-    d_qk: int | None = Field(None, description="fwd: query/key head dim (512 or 576)")
-    heads: int | None = Field(None, description="fwd: number of query heads")
-    layout: FwdLayout | None = Field(None, description="fwd: topk_length given (compact) or not")
-    kv_stages: int | None = Field(None, description="fwd: gathered KV tiles in flight (1 or 2)")
-    impl: FwdImpl | None = Field(None, description="fwd: mma.sync (any arch), wgmma, "
-                                 "wgmma_pipe or wgmma_ws (sm_90a)")
-    dsl_version: str
-    library_sha256: str
-    build_seconds: float = Field(description="compile + export in the worker, then link")
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 class BuildRequest(BaseModel):
@@ -248,6 +120,68 @@ class BuildRequest(BaseModel):
         return {"d_qk": self.d_qk, "heads": self.heads, "layout": self.layout,
                 "kv_stages": self.kv_stages or FWD_DEFAULT_KV_STAGES[impl], "impl": impl}
 
+    @property
+    def compile_params(self) -> dict[str, object]:
+        """Keyword arguments of the stage's compile function (after the arch)."""
+        if self.kernel == "fwd":
+            params = dict(self.fwd_params or {})
+            return params
+        if self.kernel == "bwd_main":
+            return {"d_qk": self.d_qk, "heads": self.heads, "layout": self.layout,
+                    "impl": self.impl or "mma"}
+        if self.kernel == "bwd_preprocess":
+            return {"use_isfinite": self.use_isfinite}
+        return {}
+
+
+#: Kernel module and compile function of each CuTe DSL stage (``f(arch, **params)`` returns
+#: ``(compiled, fake_arguments)``); the worker imports them by these names.
+KERNELS: dict[str, tuple[str, str]] = {
+    "fwd": ("dsa_aot.kernels.cutedsl_fwd", "compile_fwd"),
+    "bwd_preprocess": ("dsa_aot.kernels.cutedsl_bwd_preprocess", "compile_bwd_preprocess"),
+    "bwd_main": ("dsa_aot.kernels.cutedsl_bwd_main", "compile_bwd_main"),
+    "bwd_postprocess": ("dsa_aot.kernels.cutedsl_bwd_postprocess", "compile_bwd_postprocess"),
+}
+#: MMA flavours a spec's ``tile.flavour`` may name, per stage that has them.
+FLAVOURS: dict[str, tuple[str, ...]] = {"fwd": ("mma", "wgmma", "wgmma_pipe", "wgmma_ws"),
+                                        "bwd_main": ("mma", "wgmma")}
+
+
+def requests_for(spec: "KernelSpec", stages: tuple[str, ...], *, link: LinkMode = "static_cudart",
+                 use_isfinite: bool | None = None) -> list[BuildRequest]:
+    """The worker requests that build ``spec``'s ``stages``, every spec field applied.
+
+    ``tile.flavour`` picks the MMA flavour of the forward or of the backward main stage,
+    ``tile.num_stages`` the forward's gathered KV tiles in flight; the CuTe DSL kernels have
+    fixed block shapes, so ``tile.block_i`` / ``tile.threads`` are refused. Raises ValueError
+    naming the field and what is accepted.
+    """
+    tile = spec.tile
+    for field in ("block_i", "threads"):
+        if getattr(tile, field) is not None:
+            raise ValueError(f"{spec.id}: the cutedsl kernels have fixed block shapes; tile.{field}="
+                             f"{getattr(tile, field)} cannot be honoured (leave it unset)")
+    main = "fwd" if spec.op == "fwd" else "bwd_main"
+    if tile.flavour is not None and tile.flavour not in FLAVOURS[main]:
+        raise ValueError(f"{spec.id}: tile.flavour={tile.flavour!r} is not a cutedsl {main} flavour; "
+                         f"use one of {FLAVOURS[main]}")
+    if tile.num_stages is not None and (main != "fwd" or tile.num_stages not in (1, 2)):
+        raise ValueError(f"{spec.id}: tile.num_stages={tile.num_stages} is not supported by the "
+                         f"cutedsl {main} stage" + (" (use 1 or 2)" if main == "fwd" else " (leave it unset)"))
+    requests = []
+    for stage in stages:
+        if stage == main:
+            extra = {"kv_stages": tile.num_stages} if main == "fwd" else {}
+            requests.append(BuildRequest(kernel=stage, arch=spec.arch, link=link, d_qk=spec.d_qk,
+                                         heads=spec.heads, layout=spec.layout, impl=tile.flavour,
+                                         **extra))
+        elif stage == "bwd_preprocess":
+            requests.append(BuildRequest(kernel=stage, arch=spec.arch, link=link, use_isfinite=use_isfinite))
+        else:
+            requests.append(BuildRequest(kernel=stage, arch=spec.arch, link=link))
+    return requests
+
+
 
 # --------------------------------------------------------------------------------------------
 # Probe
@@ -275,102 +209,6 @@ def probe_isfinite(python: str | None = None, timeout: float = 300.0) -> bool:
 
 # --------------------------------------------------------------------------------------------
 # Worker (runs with CUTE_DSL_ARCH set; the only code here that imports cutlass)
-# --------------------------------------------------------------------------------------------
-
-_DTYPES = {"BFloat16": "bfloat16", "Float16": "float16", "Float32": "float32",
-           "Int32": "int32", "Int64": "int64"}
-
-
-def _dim_record(entry: object) -> dict[str, object]:
-    if isinstance(entry, int):
-        return {"value": entry}
-    return {"symbol": getattr(entry, "symbol", None), "divisibility": int(entry.divisibility)}
-
-
-def _describe_args(fakes: dict[str, object]) -> list[dict[str, object]]:
-    import cuda.bindings.driver as cuda
-
-    from cutlass import Float32
-
-    args: list[dict[str, object]] = []
-    for name, fake in fakes.items():
-        if isinstance(fake, cuda.CUstream):
-            args.append({"kind": "stream", "name": name})
-            continue
-        if isinstance(fake, Float32):
-            args.append({"kind": "scalar", "name": name, "dtype": "float32"})
-            continue
-        dtype = _DTYPES.get(fake.element_type.__name__)
-        if dtype is None:
-            raise CuteBuildError(f"argument {name}: element type {fake.element_type} unsupported")
-        shape = [_dim_record(e) for e in fake.shape]
-        stride = [_dim_record(e) for e in fake.stride]
-        widths = {e.width for e in fake.shape if not isinstance(e, int)}
-        args.append({"kind": "tensor", "name": name, "dtype": dtype, "shape": shape,
-                     "stride": stride, "shape_ctype": "int64" if widths == {64} else "int32",
-                     "stride_ctype": "int32" if fake._use_32bit_stride else "int64",
-                     "align": int(fake._assumed_align or 1)})
-    return args
-
-
-def _worker_compile(job: dict[str, object], arch: str) -> dict[str, object]:
-    from dsa_aot.kernels import cutedsl_bwd_postprocess, cutedsl_bwd_preprocess
-
-    start = time.perf_counter()
-    use_isfinite = job["use_isfinite"]
-    fwd = job.get("fwd") or job.get("bwd_main")
-    if job["kernel"] == "bwd_main":
-        from dsa_aot.kernels import cutedsl_bwd_main
-
-        use_isfinite = None
-        compiled, fakes = cutedsl_bwd_main.compile_bwd_main(arch, fwd["d_qk"], fwd["heads"],
-                                                            fwd["layout"], impl=fwd["impl"])
-    elif job["kernel"] == "fwd":
-        from dsa_aot.kernels import cutedsl_fwd
-
-        use_isfinite = None
-        compiled, fakes = cutedsl_fwd.compile_fwd(arch, fwd["d_qk"], fwd["heads"], fwd["layout"],
-                                                  fwd["kv_stages"], fwd["impl"])
-    elif job["kernel"] == "bwd_preprocess":
-        if use_isfinite is None:
-            use_isfinite = cutedsl_bwd_preprocess.probe_cute_isfinite()
-        compiled, fakes = cutedsl_bwd_preprocess.compile_bwd_preprocess(arch, use_isfinite)
-    else:
-        use_isfinite = None
-        compiled, fakes = cutedsl_bwd_postprocess.compile_bwd_postprocess(arch)
-    compiled_at = time.perf_counter()
-    name = job["name"] or _default_name(job["kernel"], arch, job["link"], use_isfinite, fwd)
-    compiled.export_to_c(job["dir"], name, name)
-    return {"name": name, "use_isfinite": use_isfinite, "args": _describe_args(fakes),
-            "compile_seconds": compiled_at - start,
-            "export_seconds": time.perf_counter() - compiled_at}
-
-
-def _worker_main(request_path: str) -> int:
-    request = json.loads(Path(request_path).read_text())
-    arch = request["arch"]
-    if os.environ.get("CUTE_DSL_ARCH") != arch:
-        print(json.dumps({"error": f"CUTE_DSL_ARCH={os.environ.get('CUTE_DSL_ARCH')!r}, "
-                                   f"expected {arch!r} before importing cutlass"}))
-        return 2
-    try:
-        import cutlass
-        from cutlass.cute.export import aot_config
-
-        results = [_worker_compile(job, arch) for job in request["jobs"]]
-        lib_paths = [p for p in aot_config.get_lib_paths(enable_tvm_ffi=False)
-                     if Path(p).name == DSL_RUNTIME_LIB]
-        reply = {"results": results, "dsl_version": cutlass.__version__,
-                 "libdir": aot_config.get_libdir(),
-                 "runtime_lib": lib_paths[0] if lib_paths else None}
-    except Exception:  # noqa: BLE001 - reported to the parent with the traceback
-        reply = {"error": traceback.format_exc()}
-    Path(request["reply"]).write_text(json.dumps(reply))
-    return 0 if "error" not in reply else 1
-
-
-# --------------------------------------------------------------------------------------------
-# Header check, link, publish
 # --------------------------------------------------------------------------------------------
 
 _RE_INIT = re.compile(r"void (_mlir_\w+_cuda_init)\(void \*\*\);")
@@ -432,12 +270,14 @@ def _runtime_lib_record(path: Path) -> RuntimeLibRecord:
                             size=path.stat().st_size, sha256=sha256_file(path))
 
 
-def _cuda_home() -> Path:
-    for candidate in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if candidate and (Path(candidate) / "lib64" / "libcudart_static.a").is_file():
-            return Path(candidate)
-    raise CuteBuildError("link=static_cudart needs a CUDA toolkit with lib64/libcudart_static.a; "
-                         "set CUDA_HOME or use link=dsl_runtime")
+def cuda_home() -> Path:
+    """The CUDA toolkit whose static runtime is linked in: the one whose nvcc keys the cache."""
+    root = toolkit_root()
+    if root is not None and (root / "lib64" / "libcudart_static.a").is_file():
+        return root
+    raise CuteBuildError(f"link=static_cudart needs a CUDA toolkit with lib64/libcudart_static.a "
+                         f"(found {root or 'no toolkit'}); set CUDA_HOME or DSA_AOT_NVCC, or use "
+                         "link=dsl_runtime")
 
 
 def _cudart_version(cuda_home: Path) -> int | None:
@@ -451,16 +291,16 @@ def _cudart_version(cuda_home: Path) -> int | None:
 
 def _link(obj: Path, lib: Path, mode: LinkMode, libdir: Path) -> int | None:
     """Link ``obj`` into ``lib``; returns the static CUDA runtime version for static_cudart."""
-    cc = os.environ.get("CC", "cc")
+    cc = settings.get().cc
     cmd = [cc, "-shared", "-o", str(lib), str(obj), f"-Wl,-soname,{lib.name}",
            "-Wl,--no-undefined"]
     cudart = None
     if mode == "dsl_runtime":
         cmd += [f"-L{libdir}", "-lcute_dsl_runtime", "-Wl,-rpath,$ORIGIN"]
     else:
-        cuda_home = _cuda_home()
-        cudart = _cudart_version(cuda_home)
-        cmd += [str(libdir / _DSL_STATIC_SHIMS), str(cuda_home / "lib64" / "libcudart_static.a"),
+        home = cuda_home()
+        cudart = _cudart_version(home)
+        cmd += [str(libdir / _DSL_STATIC_SHIMS), str(home / "lib64" / "libcudart_static.a"),
                 "-lpthread", "-ldl", "-lrt"]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -499,8 +339,8 @@ def _default_name(kernel: str, arch: str, link: str, use_isfinite: bool | None,
         name += f"_d{fwd['d_qk']}_h{fwd['heads']}_{fwd['layout']}"
         if fwd["impl"] != "mma":
             name += f"_{fwd['impl']}"
-    if kernel == "bwd_preprocess":
-        name += "_isfinite" if use_isfinite else "_infcmp"
+    if kernel == "bwd_preprocess":  # the worker fills in what its probe decides when None
+        name += "_{isfinite}" if use_isfinite is None else "_isfinite" if use_isfinite else "_infcmp"
     if link == "static_cudart":
         name += "_static"
     return name
@@ -524,13 +364,11 @@ def build_cutedsl(requests: list[BuildRequest], out_dir: str | os.PathLike[str],
         for i, req in enumerate(requests):
             stage = scratch / f"job{i}"
             stage.mkdir()
-            job = {"kernel": req.kernel, "use_isfinite": req.use_isfinite, "name": req.name,
-                   "link": req.link, "dir": str(stage)}
-            if req.kernel == "fwd":
-                job["fwd"] = req.fwd_params
-            elif req.kernel == "bwd_main":
-                job["bwd_main"] = {"d_qk": req.d_qk, "heads": req.heads, "layout": req.layout,
-                                   "impl": req.impl or "mma"}
+            module, function = KERNELS[req.kernel]
+            job = {"kernel": req.kernel, "module": module, "function": function,
+                   "params": req.compile_params, "link": req.link, "dir": str(stage),
+                   "name": req.name or _default_name(req.kernel, req.arch, req.link,
+                                                     req.use_isfinite, req.compile_params)}
             plan.setdefault(req.arch, []).append((req, job))
         started = time.perf_counter()
         procs = {arch: _spawn_worker(arch, [j for _, j in items], scratch, python)
@@ -552,7 +390,7 @@ def _spawn_worker(arch: str, jobs: list[dict[str, object]], scratch: Path,
     request = scratch / f"request-{arch}.json"
     request.write_text(json.dumps({"arch": arch, "jobs": jobs,
                                    "reply": str(scratch / f"reply-{arch}.json")}))
-    return subprocess.Popen([python, "-m", _MODULE, "worker", str(request)],
+    return subprocess.Popen([python, "-m", WORKER_MODULE, str(request)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_worker_env(arch))
 
@@ -624,11 +462,10 @@ def read_record(artifact_dir: str | os.PathLike[str]) -> CuteExportRecord:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m {_MODULE}",
-                                     description="Build CuTe DSL kernels ahead of time.")
+    parser = argparse.ArgumentParser(prog="python -m dsa_aot.backends.cutedsl.build",
+                                     description="Build CuTe DSL kernels ahead of time (a development tool; "
+                                     "`dsa-aot prebuild` builds the catalog).")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    worker = sub.add_parser("worker", help="internal: compile in this process (CUTE_DSL_ARCH set)")
-    worker.add_argument("request")
     build = sub.add_parser("build", help="build, export and link kernels")
     build.add_argument("out_dir")
     build.add_argument("--arch", action="append", choices=["sm_90a", "sm_100a"])
@@ -647,8 +484,6 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--link", default="dsl_runtime", choices=["dsl_runtime", "static_cudart"])
     build.add_argument("--use-isfinite", choices=["auto", "yes", "no"], default="auto")
     args = parser.parse_args(argv)
-    if args.cmd == "worker":
-        return _worker_main(args.request)
     flag = {"auto": None, "yes": True, "no": False}[args.use_isfinite]
     try:
         reqs = _cli_requests(args, flag)

@@ -1,0 +1,157 @@
+"""The backend contract: what every kernel backend tells the build side and the loader.
+
+A backend is one subpackage of :mod:`dsa_aot.backends` whose ``__init__`` exposes ``BACKEND``,
+an instance of a :class:`KernelBackend` subclass. It declares, as data, which ops it implements
+(its stages per op), which kernel module builds each stage, which modules hold its build and its
+load code, and which compiler distributions it builds with; from these the key of each spec is
+derived (:mod:`dsa_aot.specs.keys`). It implements three methods: :meth:`~KernelBackend.check_spec`
+(refuse a spec field it cannot honour), :meth:`~KernelBackend.build` (compile a spec into files
+and stage records; may import a compiler) and :meth:`~KernelBackend.load` (turn stored files into
+a callable kernel; never imports a compiler). Locking, keys, publishing and fallback belong to
+:mod:`dsa_aot.build` and :mod:`dsa_aot.loader`, not to backends.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from dsa_aot.artifact import ArtifactManifest
+    from dsa_aot.specs.models import KernelSpec
+
+#: Parameter names each stage may take (the kernel files' naming contract).
+STAGE_PARAMS: dict[str, frozenset[str]] = {
+    "fwd": frozenset({"q", "kv", "topk_idxs", "topk_length", "attn_sink", "out", "lse",
+                      "softmax_scale", "s_q", "s_kv", "topk"}),
+    "bwd_preprocess": frozenset({"out", "dout", "lse", "attn_sink", "delta", "lse_sink", "d_sink", "s_q"}),
+    "bwd_main": frozenset({"q", "kv", "dout", "topk_idxs", "topk_length", "lse_sink", "delta", "dq",
+                           "dkv_acc", "softmax_scale", "s_q", "s_kv", "topk"}),
+    "bwd_postprocess": frozenset({"dkv_acc", "dkv", "s_kv"}),
+}
+
+
+class StageArtifact(BaseModel):
+    """One compiled kernel: its file and the backend's record of how to run it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    format: str = Field(description="the backend's file format, e.g. 'cubin' or 'cutedsl_so'")
+    file: str
+    record: dict[str, Any] = Field(description="the backend's launch record (JSON)")
+
+
+class BuildError(RuntimeError):
+    """Compiling a spec failed; the message carries the compiler's first error line."""
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver or runtime call failed while loading or launching; the message names it."""
+
+
+@dataclass(frozen=True)
+class Built:
+    """What :meth:`KernelBackend.build` returns: the files of one entry and their stage records."""
+
+    files: dict[str, bytes]
+    stages: tuple[StageArtifact, ...]
+    build_seconds: float
+    sources: dict[str, str] = field(default_factory=dict)  # stage -> generated source file, kept to inspect
+    features: dict[str, bool | None] = field(default_factory=dict)  # probed code paths compiled in
+
+
+class KernelBackend(ABC):
+    """One way of compiling and running the sparse MLA ops. Subclasses set the class data."""
+
+    #: Name used in specs, the catalog ranking and ``DSA_AOT_BACKENDS``.
+    name: ClassVar[str]
+    #: Stages of each implemented op, in launch order.
+    stages: ClassVar[Mapping[str, tuple[str, ...]]]
+    #: Kernel module that builds each stage.
+    kernel_modules: ClassVar[Mapping[str, str]]
+    #: Modules holding the build code (with the kernel modules: the roots of a spec's key sources).
+    build_modules: ClassVar[tuple[str, ...]]
+    #: Module holding the load code (the root of the runtime identity's sources).
+    runtime_module: ClassVar[str]
+    #: Distributions whose installed content keys the build; ``prefix*`` matches every
+    #: distribution with that prefix. The first one must be importable to build at all.
+    compilers: ClassVar[tuple[str, ...]]
+    #: Import name of the compiler that must be installed to build (checked without importing it).
+    compiler_module: ClassVar[str]
+    #: Whether the CUDA toolkit (nvcc, its static runtime) takes part in the build.
+    uses_cuda_toolkit: ClassVar[bool] = True
+
+    def implements(self, op: str) -> bool:
+        return op in self.stages
+
+    def source_modules(self, spec: KernelSpec) -> tuple[str, ...]:
+        """The modules whose source a build of ``spec`` reads: build code and stage kernels."""
+        kernels = tuple(dict.fromkeys(self.kernel_modules[s] for s in self.stages[spec.op]))
+        return self.build_modules + kernels
+
+    def check_spec(self, spec: KernelSpec) -> None:
+        """Raise ``ValueError`` naming the field when a field of ``spec`` cannot drive the build."""
+        if not self.implements(spec.op):
+            raise ValueError(f"{spec.id}: backend {self.name} has no {spec.op} kernel")
+
+    def missing_compiler(self) -> str | None:
+        """Why this process cannot compile for this backend (None: it can)."""
+        if importlib.util.find_spec(self.compiler_module) is None:
+            return f"{self.compilers[0].rstrip('*')} is not installed (pip install 'dsa-aot[build]')"
+        return None
+
+    def unsupported_reason(self, spec: KernelSpec, features: Any | None) -> str | None:
+        """Why ``spec`` cannot be built with the probed ``features`` (None: it can)."""
+        try:
+            self.check_spec(spec)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    @abstractmethod
+    def build(self, spec: KernelSpec) -> Built:
+        """Compile ``spec`` (imports the compiler). Raises :class:`BuildError`."""
+
+    @abstractmethod
+    def load(self, manifest: ArtifactManifest, read: Callable[[str], bytes], device_index: int) -> Any:
+        """A :class:`~dsa_aot.runners.FwdKernel` / :class:`~dsa_aot.runners.BwdKernel` from stored
+        files (``read(name)`` returns sha256-checked bytes). Never imports a compiler. Raises
+        :class:`CudaError` for a driver problem and ``CorruptArtifact`` for bad bytes."""
+
+
+def nvcc_reason(spec: KernelSpec, features: Any | None) -> str | None:
+    """Why the probed nvcc cannot build for ``spec.arch`` (None: it can, or nothing was probed)."""
+    archs = getattr(features, "nvcc_archs", None)
+    if archs is None:
+        return None
+    ok = archs.get(spec.arch)
+    if ok is True:
+        return None
+    if ok is None:
+        why = getattr(features, "errors", {}).get(f"nvcc_archs[{spec.arch}]", "not probed")
+        why = (why.strip().splitlines() or ["no detail"])[-1][:200]
+        return f"no nvcc could build a test cubin for {spec.arch} ({why})"
+    accepted = ", ".join(a for a, good in archs.items() if good) or "none"
+    return f"nvcc does not accept {spec.arch} (accepts {accepted})"
+
+
+def first_error_line(exc: BaseException) -> str:
+    """The most useful single line of a compiler exception."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    for ln in lines:
+        low = ln.lower()
+        if "error" in low and not low.startswith("traceback"):
+            return ln[:400]
+    return (lines[-1] if lines else type(exc).__name__)[:400]
+
+
+def check_params(spec: KernelSpec, stage: str, names: set[str]) -> None:
+    """Refuse a stage whose kernel takes parameters outside the naming contract."""
+    unknown = names - STAGE_PARAMS[stage]
+    if unknown:
+        raise BuildError(f"{spec.id} stage {stage}: unknown kernel parameters {sorted(unknown)}")

@@ -1,0 +1,82 @@
+"""The identities of one spec in this process: its build key, and its runtime identity.
+
+:func:`build_identity` needs the spec's compilers installed (their content is part of the key);
+:func:`runtime_identity` needs only our own installed sources. The loader looks artifacts up
+by the first when this process can build the spec, and by the second when it cannot (a serving
+image without compilers). Nothing here imports a compiler.
+"""
+
+from __future__ import annotations
+
+from dsa_aot.backends.base import KernelBackend
+from dsa_aot.specs.keys import BuildIdentity, RuntimeIdentity, host_tag, module_sources, sources_sha256
+from dsa_aot.specs.models import KernelSpec
+from dsa_aot.specs.toolchain import Distribution, Toolchain
+
+
+def installed_compilers(backend: KernelBackend, toolchain: Toolchain) -> tuple[Distribution, ...]:
+    """The installed distributions matching the backend's ``compilers`` patterns, by name."""
+    dists = [d for d in (toolchain.tilelang, toolchain.tvm_ffi, *toolchain.cutlass_dsl) if d is not None]
+    dists += list(toolchain.other_compilers)
+    chosen = {}
+    for pattern in backend.compilers:
+        prefix = pattern.rstrip("*")
+        for d in dists:
+            if d.name == pattern or (pattern.endswith("*") and d.name.startswith(prefix)):
+                chosen[d.name] = d
+    return tuple(chosen[n] for n in sorted(chosen))
+
+
+def incomplete_reasons(backend: KernelBackend, toolchain: Toolchain) -> list[str]:
+    """Why the installed toolchain cannot key this backend's builds (empty: it can)."""
+    names = [p.rstrip("*") for p in backend.compilers]
+    reasons = [r for r in toolchain.incomplete_reasons
+               if any(r.startswith(n) for n in names) or (backend.uses_cuda_toolkit and "nvcc" in r)]
+    reasons += [f"{d.name}: installed content unknown" for d in installed_compilers(backend, toolchain)
+                if d.content_sha256 is None and not any(r.startswith(d.name) for r in reasons)]
+    return reasons
+
+
+def can_key_builds(backend: KernelBackend, toolchain: Toolchain) -> str | None:
+    """Why this process cannot compute the spec's build key (None: it can, and may build)."""
+    missing = backend.missing_compiler()
+    if missing:
+        return missing
+    if backend.uses_cuda_toolkit and toolchain.nvcc_version is None:
+        return "no CUDA toolkit (nvcc) found"
+    reasons = incomplete_reasons(backend, toolchain)
+    return "; ".join(reasons) if reasons else None
+
+
+def build_identity(backend: KernelBackend, spec: KernelSpec, toolchain: Toolchain) -> BuildIdentity:
+    """The spec's build identity under the installed ``toolchain`` (check :func:`can_key_builds`)."""
+    return BuildIdentity(backend=backend.name, compilers=installed_compilers(backend, toolchain),
+                         nvcc_version=toolchain.nvcc_version if backend.uses_cuda_toolkit else None,
+                         host=toolchain.host, sources=module_sources(backend.source_modules(spec)))
+
+
+def runtime_identity(backend: KernelBackend, spec: KernelSpec) -> RuntimeIdentity:
+    """What a process must match to load ``spec``'s artifact without compilers."""
+    kernels = tuple(dict.fromkeys(backend.kernel_modules[s] for s in backend.stages[spec.op]))
+    return RuntimeIdentity(backend=backend.name, arch=spec.arch, host=host_tag(),
+                           runtime_sha256=sources_sha256(module_sources([backend.runtime_module])),
+                           kernel_sha256=sources_sha256(module_sources(kernels)))
+
+
+def recorded_compilers_agree(backend: KernelBackend, recorded: BuildIdentity,
+                             toolchain: Toolchain) -> str | None:
+    """Whether every compiler installed here equals the one that built ``recorded`` (None: yes).
+
+    A process that can build compares whole keys; this is for one that cannot (a compiler or
+    the toolkit is absent): whatever part of the toolchain it does have must be the builder's.
+    """
+    theirs = {d.name: d for d in recorded.compilers}
+    for mine in installed_compilers(backend, toolchain):
+        other = theirs.get(mine.name)
+        if other is None or (mine.version, mine.content_sha256) != (other.version, other.content_sha256):
+            built = f"{other.name} {other.version}" if other else "without it"
+            return f"built with {built}, {mine.name} {mine.version} is installed here"
+    if (backend.uses_cuda_toolkit and toolchain.nvcc_version is not None
+            and toolchain.nvcc_version != recorded.nvcc_version):
+        return f"built with nvcc {recorded.nvcc_version}, nvcc {toolchain.nvcc_version} is installed here"
+    return None
