@@ -1,0 +1,112 @@
+"""Key coverage: editing one source file makes exactly the specs built from it miss.
+
+A wheel-like copy of the package (``dsa_aot/`` with ``kernels/``, ``specs/``, ``cache/`` inside,
+as the wheel installs it) is put first on ``PYTHONPATH`` of a child process, which appends a
+comment to each source file in turn and reports whose build keys and runtime identities
+changed. The expectations below are written out by hand from what each file is for, so a key
+that forgets a file its build reads (or covers one it does not) fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+CHILD = Path(__file__).with_name("_key_edits_child.py")
+
+
+def _ids(specs: list[str], op: str | None = None, backend: str | None = None) -> list[str]:
+    return sorted(s for s in specs if (op is None or s.startswith(op + "-"))
+                  and (backend is None or s.endswith("-" + backend)))
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    site = tmp_path_factory.mktemp("site")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(REPO / "aot", site / "dsa_aot", ignore=ignore)
+    for sub in ("kernels", "specs", "cache"):
+        shutil.copytree(REPO / sub, site / "dsa_aot" / sub, ignore=ignore)
+    env = {**os.environ, "PYTHONPATH": str(site), "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run([sys.executable, str(CHILD)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    assert Path(data["package"]).is_relative_to(site)  # the copy, not the editable install
+    return data
+
+
+# file -> (op, backend) groups whose BUILD KEYS must change; every other spec must keep its key
+BUILD = {
+    "dsa_aot/kernels/tilelang_fwd.py": [("fwd", "tilelang")],
+    "dsa_aot/kernels/tilelang_bwd.py": [("bwd", "tilelang")],
+    "dsa_aot/kernels/tilelang_bwd_preprocess.py": [("bwd", "tilelang")],
+    "dsa_aot/kernels/tilelang_bwd_postprocess.py": [("bwd", "tilelang")],
+    "dsa_aot/kernels/cutedsl_fwd.py": [("fwd", "cutedsl")],
+    "dsa_aot/kernels/cutedsl_bwd_main.py": [("bwd", "cutedsl")],
+    "dsa_aot/kernels/cutedsl_bwd_preprocess.py": [("bwd", "cutedsl")],
+    "dsa_aot/kernels/cutedsl_bwd_postprocess.py": [("bwd", "cutedsl")],
+    "dsa_aot/kernels/cutedsl_common.py": [("fwd", "cutedsl"), ("bwd", "cutedsl")],
+    "dsa_aot/backends/tilelang/build.py": [(None, "tilelang")],
+    "dsa_aot/backends/tilelang/launch.py": [(None, "tilelang")],  # its LaunchRecord is built
+    "dsa_aot/backends/tilelang/__init__.py": [(None, "tilelang")],
+    "dsa_aot/backends/cutedsl/build.py": [(None, "cutedsl")],
+    "dsa_aot/backends/cutedsl/worker.py": [(None, "cutedsl")],
+    "dsa_aot/backends/cutedsl/records.py": [(None, "cutedsl")],
+    "dsa_aot/backends/cutedsl/__init__.py": [(None, "cutedsl")],
+    "dsa_aot/toolkit.py": [(None, "cutedsl")],  # the toolkit whose static runtime is linked in
+    "dsa_aot/settings.py": [(None, "cutedsl")],  # CC, the toolkit root
+    "dsa_aot/specs/models.py": [(None, "tilelang")],  # TileLang kernels read the KernelSpec
+    "dsa_aot/backends/base.py": [(None, None)],
+}
+#: Files no build reads: editing them changes no key at all.
+NO_BUILD = ["dsa_aot/loader.py", "dsa_aot/ops.py", "dsa_aot/cli.py", "dsa_aot/build.py", "dsa_aot/prebuild.py",
+            "dsa_aot/identity.py", "dsa_aot/runners.py", "dsa_aot/validate.py", "dsa_aot/kernels/reference.py",
+            "dsa_aot/backends/tilelang/runtime.py", "dsa_aot/backends/cutedsl/runtime.py",
+            "dsa_aot/cache/store.py", "dsa_aot/cache/bundle.py", "dsa_aot/specs/catalog.py",
+            "dsa_aot/specs/keys.py", "dsa_aot/specs/probes.py", "dsa_aot/specs/toolchain.py"]
+#: file -> backends whose RUNTIME identity must change (load code and kernel sources).
+RUNTIME = {
+    "dsa_aot/backends/tilelang/runtime.py": ["tilelang"],
+    "dsa_aot/backends/cutedsl/runtime.py": ["cutedsl"],
+    "dsa_aot/runners.py": ["tilelang", "cutedsl"],
+    "dsa_aot/kernels/tilelang_fwd.py": ["tilelang"],
+    "dsa_aot/kernels/cutedsl_bwd_main.py": ["cutedsl"],
+    "dsa_aot/loader.py": [],
+    "dsa_aot/cli.py": [],
+    "dsa_aot/backends/tilelang/build.py": [],
+    "dsa_aot/backends/cutedsl/worker.py": [],
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUILD))
+def test_editing_a_build_source_misses_exactly_its_specs(report, name):
+    specs = report["specs"]
+    want = sorted({s for op, backend in BUILD[name] for s in _ids(specs, op, backend)})
+    assert want, name
+    assert report["edits"][name]["build"] == want
+
+
+@pytest.mark.parametrize("name", NO_BUILD)
+def test_editing_code_no_build_reads_keeps_every_key(report, name):
+    assert report["edits"][name]["build"] == []
+
+
+@pytest.mark.parametrize("name", sorted(RUNTIME))
+def test_runtime_identity_follows_load_code_and_kernel_sources(report, name):
+    specs = report["specs"]
+    want = sorted(s for backend in RUNTIME[name] for s in _ids(specs, backend=backend))
+    if name.startswith("dsa_aot/kernels/"):  # a kernel file: the specs built from it only
+        want = report["edits"][name]["build"]
+    assert report["edits"][name]["runtime"] == want
+
+
+def test_every_source_file_was_edited_once(report):
+    for name in [*BUILD, *NO_BUILD, *RUNTIME]:
+        assert name in report["edits"], name
