@@ -59,17 +59,27 @@ def resolve_nvcc(environ: Mapping[str, str] | None = None) -> Path | None:
 EXEC_WRAPPER = re.compile(r'\A#![^\n]*\n(?:\s*(?:#[^\n]*)?\n)*\s*exec\s+(/\S+/bin/nvcc)\s+"\$@"\s*\Z')
 
 
+def file_head(path: Path, size: int = 4096) -> bytes | None:
+    """The first ``size`` bytes of a file (None when it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(size)
+    except OSError:
+        return None
+
+
+def wrapper_target(head: bytes) -> Path | None:
+    """The nvcc an exec-only wrapper script (given its first bytes) runs; None for anything else."""
+    if head[:2] != b"#!":
+        return None
+    match = EXEC_WRAPPER.search(head.decode("utf-8", "replace"))
+    return Path(match.group(1)) if match else None
+
+
 def real_nvcc(nvcc: Path) -> Path:
     """The nvcc binary an exec-only wrapper script runs (``nvcc`` itself otherwise)."""
-    try:
-        with open(nvcc, "rb") as f:
-            head = f.read(4096)
-    except OSError:
-        return nvcc
-    if head[:2] != b"#!":
-        return nvcc
-    match = EXEC_WRAPPER.search(head.decode("utf-8", "replace"))
-    return Path(match.group(1)) if match else nvcc
+    head = file_head(nvcc)
+    return (wrapper_target(head) if head else None) or nvcc
 
 
 def toolkit_root() -> Path | None:

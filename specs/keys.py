@@ -140,17 +140,39 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-_PARSED: dict[tuple[str, int, int, int], tuple[str, ast.Module]] = {}
+#: Facts per source file in this process: file identity -> (sha256, imports, import-time imports).
+_FACTS: dict[str, tuple[str, list[str], list[str]]] = {}
+#: Source facts are remembered across processes in the toolchain memo under this kind.
+MEMO_KIND = "source"
 
 
-def _parsed(path: Path) -> tuple[str, ast.Module]:
-    """sha256 and syntax tree of a source file, remembered per file identity in this process."""
-    st = path.stat()
-    ident = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
-    hit = _PARSED.get(ident)
+def _facts(module: str, path: Path, pending: dict[str, object]) -> tuple[str, list[str], list[str]]:
+    """sha256 and ``dsa_aot`` imports (all, import-time only) of one module's file.
+
+    Remembered per file identity (path, inode, size, mtime, ctime) in this process and in the
+    toolchain memo, so a process that computes keys parses no source it parsed before; an
+    edited file has a new identity and is read again.
+    """
+    from dsa_aot.specs.toolchain import file_identity, memo_get
+
+    ident = file_identity(path)
+    tag = f"{module}|{ident}"
+    hit = _FACTS.get(tag)
+    if hit is None and ident is not None:
+        remembered = memo_get(MEMO_KIND, tag)
+        if (isinstance(remembered, list) and len(remembered) == 3 and isinstance(remembered[0], str)
+                and all(isinstance(x, list) for x in remembered[1:])):
+            hit = (remembered[0], remembered[1], remembered[2])
     if hit is None:
         data = path.read_bytes()
-        hit = _PARSED[ident] = (hashlib.sha256(data).hexdigest(), ast.parse(data, filename=str(path)))
+        tree = ast.parse(data, filename=str(path))
+        package = path.name == "__init__.py"
+        hit = (hashlib.sha256(data).hexdigest(),
+               sorted(_imports_of(tree, module, package, top_level_only=False)),
+               sorted(_imports_of(tree, module, package, top_level_only=True)))
+        if ident is not None:
+            pending[tag] = list(hit)
+    _FACTS[tag] = hit
     return hit
 
 
@@ -176,6 +198,7 @@ def module_sources(roots: Iterable[str]) -> dict[str, str]:
     todo: list[tuple[str, bool]] = [(r, True) for r in roots]  # (module, followed fully)
     done: dict[str, bool] = {}
     seen: dict[str, str] = {}
+    pending: dict[str, object] = {}
     while todo:
         module, full = todo.pop()
         if done.get(module) is True or (module in done and not full):
@@ -184,12 +207,15 @@ def module_sources(roots: Iterable[str]) -> dict[str, str]:
         path = _module_file(module)
         if path is None:
             continue
-        digest, tree = _parsed(path)
+        digest, every, import_time = _facts(module, path, pending)
         seen[_source_name(module, path)] = digest
         parts = module.split(".")
         todo.extend((".".join(parts[:i]), False) for i in range(1, len(parts)))
-        imported = _imports_of(tree, module, path.name == "__init__.py", top_level_only=not full)
-        todo.extend((m, False) for m in imported)
+        todo.extend((m, False) for m in (every if full else import_time))
+    if pending:
+        from dsa_aot.specs.toolchain import memo_put_many
+
+        memo_put_many(MEMO_KIND, pending, keep=512)
     return dict(sorted(seen.items()))
 
 
@@ -202,7 +228,7 @@ def sources_sha256(sources: dict[str, str]) -> str:
 def clear_caches() -> None:
     """Forget parsed sources (after files were edited in this process, e.g. by a test)."""
     _module_file.cache_clear()
-    _PARSED.clear()
+    _FACTS.clear()
 
 
 def host_tag() -> str:

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsa_aot.toolkit import EXEC_WRAPPER, resolve_nvcc  # noqa: F401  (resolve_nvcc re-exported)
+from dsa_aot.toolkit import file_head, resolve_nvcc, wrapper_target  # noqa: F401  (resolve_nvcc re-exported)
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -434,6 +434,11 @@ def _memo_read(path: Path) -> dict[str, Any]:
     return data
 
 
+def memo_get(kind: str, identity: str | None) -> Any:
+    """A fact remembered for the file ``identity`` (see :func:`file_identity`), or None."""
+    return _memo_get(kind, identity)
+
+
 def _memo_get(kind: str, identity: str | None) -> Any:
     path = _memo_path()
     if identity is None or path is None:
@@ -444,14 +449,20 @@ def _memo_get(kind: str, identity: str | None) -> Any:
 
 def _memo_put(kind: str, identity: str | None, value: Any) -> None:
     """Remember one fact (atomically: a temporary file renamed over the memo); best effort."""
+    if identity is not None:
+        memo_put_many(kind, {identity: value})
+
+
+def memo_put_many(kind: str, facts: dict[str, Any], keep: int = _MEMO_MAX) -> None:
+    """Remember several facts of one kind in one write (the newest ``keep`` are kept)."""
     global _memo_cache
     path = _memo_path()
-    if identity is None or path is None:
+    if not facts or path is None:
         return
     _memo_cache = None  # re-read: another process may have added facts
     data = dict(_memo_read(path))
-    table = {k: v for k, v in (data.get(kind) or {}).items() if k != identity}
-    data[kind] = dict(list(table.items())[-(_MEMO_MAX - 1):]) | {identity: value}
+    table = {k: v for k, v in (data.get(kind) or {}).items() if k not in facts}
+    data[kind] = dict(list(table.items())[-max(keep - len(facts), 0):]) | facts
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -463,20 +474,16 @@ def _memo_put(kind: str, identity: str | None, value: Any) -> None:
 
 
 def _nvcc_version_from_files(nvcc: Path, _hops: int = 1) -> str | None:
-    if nvcc.parent.name != "bin":
-        return None
-    try:
-        with open(nvcc, "rb") as f:
-            head = f.read(4096)
-    except OSError:
+    head = file_head(nvcc) if nvcc.parent.name == "bin" else None
+    if head is None:
         return None
     if head[:4] != b"\x7fELF":
         # a wrapper script: only ``exec /abs/path/bin/nvcc "$@"`` is followed (it is certain
         # which binary runs); anything else is asked by spawning it
-        target = EXEC_WRAPPER.search(head.decode("utf-8", "replace")) if head[:2] == b"#!" else None
+        target = wrapper_target(head)
         if target is None or _hops <= 0:
             return None
-        return _nvcc_version_from_files(Path(target.group(1)), _hops - 1)
+        return _nvcc_version_from_files(target, _hops - 1)
     root = nvcc.parent.parent
     for read in (_version_json, _toolkit_dist_info, _nvcc_wheel):
         version = read(root, nvcc)

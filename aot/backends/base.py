@@ -46,6 +46,10 @@ class StageArtifact(BaseModel):
     record: dict[str, Any] = Field(description="the backend's launch record (JSON)")
 
 
+#: The stages of each op, in launch order (every backend implements an op with these stages).
+OP_STAGES: dict[str, tuple[str, ...]] = {"fwd": ("fwd",), "bwd": ("bwd_preprocess", "bwd_main", "bwd_postprocess")}
+
+
 class BuildError(RuntimeError):
     """Compiling a spec failed; the message carries the compiler's first error line."""
 

@@ -29,7 +29,6 @@ Artifacts are named ``cutedsl_<stage>_<arch>[_d<d_qk>_h<heads>_<layout>][_<flavo
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -41,25 +40,17 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dsa_aot import settings
 from dsa_aot.backends.cutedsl.records import (
     DSL_RUNTIME_LIB, FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES, RECORD_FILE, WORKER_MODULE, _DSL_STATIC_SHIMS,
     Arch, CuteBuildError, CuteExportRecord, CuteKernel, CuteSymbols, FwdImpl, FwdLayout, LinkMode,
-    RuntimeLibRecord, ScalarArgRecord, StreamArgRecord, TensorArgRecord)
+    RuntimeLibRecord, ScalarArgRecord, StreamArgRecord, TensorArgRecord, sha256_file)
 from dsa_aot.toolkit import toolkit_root
 
 if TYPE_CHECKING:
     from dsa_aot.specs.models import KernelSpec
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class BuildRequest(BaseModel):
@@ -172,9 +163,16 @@ def requests_for(spec: "KernelSpec", stages: tuple[str, ...], *, link: LinkMode 
     for stage in stages:
         if stage == main:
             extra = {"kv_stages": tile.num_stages} if main == "fwd" else {}
-            requests.append(BuildRequest(kernel=stage, arch=spec.arch, link=link, d_qk=spec.d_qk,
-                                         heads=spec.heads, layout=spec.layout, impl=tile.flavour,
-                                         **extra))
+            try:
+                requests.append(BuildRequest(kernel=stage, arch=spec.arch, link=link, d_qk=spec.d_qk,
+                                             heads=spec.heads, layout=spec.layout, impl=tile.flavour,
+                                             **extra))
+            except ValidationError as exc:  # a flavour / depth the arch or flavour cannot take
+                fields = ", ".join(f"tile.{f}={getattr(tile, f)!r}" for f in ("flavour", "num_stages")
+                                   if getattr(tile, f) is not None)
+                why = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+                raise ValueError(f"{spec.id}: {fields} cannot be honoured by the cutedsl {main} stage "
+                                 f"({why})") from None
         elif stage == "bwd_preprocess":
             requests.append(BuildRequest(kernel=stage, arch=spec.arch, link=link, use_isfinite=use_isfinite))
         else:

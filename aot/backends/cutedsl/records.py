@@ -6,6 +6,8 @@ side (:mod:`.build`, :mod:`.worker`) and the compiler-free load side (:mod:`.run
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -147,3 +149,10 @@ class CuteExportRecord(BaseModel):
     build_seconds: float = Field(description="compile + export in the worker, then link")
 
 
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -39,6 +39,7 @@ from dsa_aot.backends.cutedsl.records import (
     ScalarArgRecord,
     StreamArgRecord,
     TensorArgRecord,
+    sha256_file,
 )
 
 if TYPE_CHECKING:
@@ -62,14 +63,6 @@ _CTYPES = {"int32": ctypes.c_int32, "int64": ctypes.c_int64}
 #: ctypes and ``struct`` codes of the scalar argument kinds a record may hold.
 _SCALAR_CTYPES = {"float32": (ctypes.c_float, "f")}
 _LIMITS = {"int32": 2**31 - 1, "int64": 2**63 - 1}
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class CuteRuntimeError(CudaError):

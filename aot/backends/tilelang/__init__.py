@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from dsa_aot.backends.base import Built, KernelBackend, nvcc_reason
+from dsa_aot.backends.base import OP_STAGES, Built, KernelBackend, nvcc_reason
 
 if TYPE_CHECKING:
     from dsa_aot.artifact import ArtifactManifest
@@ -24,7 +24,7 @@ BUILDERS = {"fwd": "build_fwd", "bwd_preprocess": "build_bwd_preprocess", "bwd_m
 
 class TileLangBackend(KernelBackend):
     name = "tilelang"
-    stages = {"fwd": ("fwd",), "bwd": ("bwd_preprocess", "bwd_main", "bwd_postprocess")}
+    stages = OP_STAGES
     kernel_modules = {"fwd": "dsa_aot.kernels.tilelang_fwd",
                       "bwd_preprocess": "dsa_aot.kernels.tilelang_bwd_preprocess",
                       "bwd_main": "dsa_aot.kernels.tilelang_bwd",
