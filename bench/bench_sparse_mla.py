@@ -1,11 +1,17 @@
-"""Time dsa-aot's sparse MLA forward and backward on the GPU, beside the cuDNN frontend's
-DSA backward (the peer) on the same inputs in the same process.
+"""Time dsa-aot's sparse MLA forward and backward on the GPU, beside the peers on the same
+inputs in the same process: FlashMLA's sparse prefill forward and the cuDNN frontend's DSA
+backward.
 
-    python bench/bench_sparse_mla.py --out bench/results/h200.json
+    python bench/bench_sparse_mla.py --out bench/results/h200.json [--flashmla DIR/_flashmla_C.abi3.so]
+        [--variant bwd:cutedsl:flavour=wgmma ...]
 
-Writes the JSON records and a Markdown table (same name, .md) with command, GPU,
-toolchain and date. Our kernels come through the public API, so the artifact that runs is
-the one the loader picks (set DSA_AOT_REQUIRE_PREBUILT=1 to be sure it is prebuilt).
+Writes the JSON records and a Markdown table (same name, .md) with command, GPU, toolchain and
+date. Our kernels come through the public API, so the artifact that runs is the one the loader
+picks (set DSA_AOT_REQUIRE_PREBUILT=1 to be sure it is prebuilt). ``--variant`` adds rows for a
+spec with a non-default tile (e.g. an MMA flavour), loaded by the production loader from the
+prebuilt root (or built into the cache). FlashMLA is loaded from a compiled ``_flashmla_C``
+library given by ``--flashmla`` or ``FLASHMLA_SO`` (nothing of it lives here); without one its
+column is empty. ``bench/plot_results.py`` draws the chart from the JSON.
 """
 
 from __future__ import annotations
@@ -22,10 +28,60 @@ from common import bwd_flops, environment, fwd_flops, make_inputs, time_cuda  # 
 
 import dsa_aot  # noqa: E402
 from dsa_aot import ops, settings  # noqa: E402
+from dsa_aot.backends import get as get_backend  # noqa: E402
 from dsa_aot.loader import MissingPrebuiltError  # noqa: E402
 
-BWD_SHAPES = [(4096, 8192, 64, 576, 2048), (4096, 8192, 128, 512, 1024)]
-FWD_SHAPES = [(4096, 8192, 64, 576, 2048), (4096, 8192, 128, 576, 2048), (4096, 8192, 128, 512, 1024)]
+#: (S_q, S_kv, H, D_qk, K): DeepSeek-V3.2-class shapes, H16/H32 being tensor-parallel ranks of H128.
+FWD_SHAPES = [(4096, 8192, 64, 576, 2048), (4096, 8192, 128, 576, 2048), (4096, 8192, 128, 512, 1024),
+              (4096, 8192, 64, 512, 2048), (4096, 32768, 128, 576, 2048), (16384, 65536, 128, 576, 2048),
+              (4096, 8192, 16, 576, 2048), (4096, 8192, 32, 576, 2048)]
+BWD_SHAPES = [(4096, 8192, 64, 576, 2048), (4096, 8192, 128, 576, 2048), (4096, 8192, 128, 512, 1024),
+              (4096, 8192, 64, 512, 2048), (4096, 8192, 32, 576, 2048), (4096, 8192, 16, 576, 2048),
+              (4096, 8192, 16, 512, 512)]
+
+
+def peer_fwd(path: str | None):
+    """FlashMLA's ``sparse_prefill_fwd`` from a compiled ``_flashmla_C`` library, or None."""
+    import os
+
+    path = path or os.environ.get("FLASHMLA_SO")
+    if not path:
+        return None
+    try:
+        torch.ops.load_library(path)
+        op = torch.ops._flashmla_C.sparse_prefill_fwd
+    except Exception as exc:  # the peer is optional
+        print(f"FlashMLA unavailable ({path}): {exc}", file=sys.stderr)
+        return None
+
+    def run(x: dict, scale: float):
+        out, _, lse = op(x["q"], x["kv"][:, None, :], x["topk_idxs"][:, None, :], scale, 512,
+                         x["attn_sink"], None, None)
+        return out, lse
+    return run
+
+
+def variant_kernel(text: str, op: str, heads: int, d_qk: int, device: int):
+    """The kernel of ``op:backend:field=value,...`` for this shape through the production loader
+    (a stored artifact, else built and published into the cache), or None when the variant is
+    for another op."""
+    from dsa_aot.build import build_and_publish
+    from dsa_aot.loader import get_loader
+    from dsa_aot.specs.models import KernelSpec, TileConfig
+
+    vop, backend, fields = (text.split(":") + [""])[:3]
+    if vop != op:
+        return None
+    tile = TileConfig(**{k: (int(v) if v.isdigit() else v) for k, v in
+                         (f.split("=") for f in fields.split(",") if f)})
+    spec = KernelSpec(op=op, arch="sm_90a", d_qk=d_qk, heads=heads, layout="noncompact", backend=backend, tile=tile)
+    loader = get_loader()
+    hit = loader.try_load(spec, device)
+    if hit is not None:
+        return spec, hit[0]
+    store = loader.writable_store()
+    done = build_and_publish(store, spec, loader.toolchain())
+    return spec, get_backend(backend).load(done.manifest, done.read(store), device)
 
 
 def peer_bwd():
@@ -88,27 +144,54 @@ def main() -> int:
     ap.add_argument("--fwd-backends", nargs="+", default=["tilelang", "cutedsl"])
     ap.add_argument("--bwd-backends", nargs="+", default=["tilelang", "cutedsl"])
     ap.add_argument("--ops", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
+    ap.add_argument("--flashmla", help="compiled FlashMLA library (_flashmla_C.abi3.so); default $FLASHMLA_SO")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="extra rows for op:backend:tile-field=value,... e.g. bwd:cutedsl:flavour=wgmma")
+    ap.add_argument("--shapes", type=int, nargs="+", help="only these row numbers (0-based) of each table")
     args = ap.parse_args()
     env = environment()
     records = []
     peer = peer_bwd()
-    for s_q, s_kv, h, d, k in FWD_SHAPES if "fwd" in args.ops else []:
+    flashmla = peer_fwd(args.flashmla)
+    pick = (lambda rows: [r for i, r in enumerate(rows) if i in args.shapes]) if args.shapes else (lambda rows: rows)
+    for s_q, s_kv, h, d, k in pick(FWD_SHAPES) if "fwd" in args.ops else []:
         x = make_inputs(s_q, s_kv, h, d, k)
         ref_out, ref_lse = reference(x)  # once per shape; every backend is checked against it
+        scale = d ** -0.5
+        peer_ms = None
+        if flashmla is not None:
+            theirs_out, theirs_lse = flashmla(x, scale)
+            peer_ms = time_cuda(lambda: flashmla(x, scale), reps=args.reps)
+            print(f"fwd  flashmla  h{h} d{d} k{k}: {peer_ms:.3f} ms "
+                  f"{fwd_flops(s_q, h, k, d) / peer_ms / 1e9:.0f} TFLOPS", flush=True)
+        runs = []
         for backend in args.fwd_backends:
-            run = run_forced("fwd", backend, lambda: dsa_aot.sparse_mla_fwd(
-                x["q"], x["kv"], x["topk_idxs"], attn_sink=x["attn_sink"]), h, d, k, args.reps)
+            runs.append((backend, run_forced("fwd", backend, lambda: dsa_aot.sparse_mla_fwd(
+                x["q"], x["kv"], x["topk_idxs"], attn_sink=x["attn_sink"]), h, d, k, args.reps)))
+        for text in args.variant:
+            found = variant_kernel(text, "fwd", h, d, x["q"].device.index or 0)
+            if found is not None:
+                spec, kernel = found
+                call = lambda: kernel(x["q"], x["kv"], x["topk_idxs"], None, x["attn_sink"], scale)  # noqa: E731
+                runs.append((f"{spec.backend}[{text.split(':', 2)[2]}]", (call(), time_cuda(call, reps=args.reps))))
+        for backend, run in runs:
             if run is None:
                 continue
             (out, lse), ms = run
             tf = fwd_flops(s_q, h, k, d) / ms / 1e9
-            records.append({"op": "fwd", "backend": f"dsa-aot/{backend}", "s_q": s_q, "s_kv": s_kv, "heads": h,
-                            "d_qk": d, "topk": k, "ms": round(ms, 4), "tflops": round(tf, 1),
-                            "out_rel_err": round(rel(out[:REF_ROWS], ref_out), 5),
-                            "lse_max_abs_err": round(float((lse[:REF_ROWS] - ref_lse).abs().max()), 5),
-                            "peer": None, "peer_ms": None, "ratio": None, "date": env["date"]})
-            print(f"fwd  {backend:9s} h{h} d{d} k{k}: {ms:.3f} ms {tf:.0f} TFLOPS", flush=True)
-    for s_q, s_kv, h, d, k in BWD_SHAPES if "bwd" in args.ops else []:
+            rec = {"op": "fwd", "backend": f"dsa-aot/{backend}", "s_q": s_q, "s_kv": s_kv, "heads": h,
+                   "d_qk": d, "topk": k, "ms": round(ms, 4), "tflops": round(tf, 1),
+                   "out_rel_err": round(rel(out[:REF_ROWS], ref_out), 5),
+                   "lse_max_abs_err": round(float((lse[:REF_ROWS] - ref_lse).abs().max()), 5),
+                   "peer": None, "peer_ms": None, "ratio": None, "date": env["date"]}
+            if peer_ms is not None:
+                rec.update(peer="flashmla sparse_prefill_fwd", peer_ms=round(peer_ms, 4), ratio=round(peer_ms / ms, 3),
+                           agreement_rel_err={"out": round(rel(out, theirs_out), 5),
+                                              "lse": round(rel(lse, theirs_lse), 7)})
+            records.append(rec)
+            print(f"fwd  {backend:9s} h{h} d{d} k{k}: {ms:.3f} ms {tf:.0f} TFLOPS  ours/peer speed "
+                  f"{rec['ratio']}", flush=True)
+    for s_q, s_kv, h, d, k in pick(BWD_SHAPES) if "bwd" in args.ops else []:
         x = make_inputs(s_q, s_kv, h, d, k)
         out, lse = dsa_aot.sparse_mla_fwd(x["q"], x["kv"], x["topk_idxs"], attn_sink=x["attn_sink"])
         peer_ms, peer_res = None, None
@@ -117,10 +200,19 @@ def main() -> int:
                 return peer(x["q"], x["kv"], out, x["dout"], lse, x["attn_sink"], x["topk_idxs"])
             peer_res = theirs()  # JIT compile happens here
             peer_ms = time_cuda(theirs, reps=args.reps)
+        runs = []
         for backend in args.bwd_backends:
-            run = run_forced("bwd", backend, lambda: dsa_aot.sparse_mla_bwd(
+            runs.append((backend, run_forced("bwd", backend, lambda: dsa_aot.sparse_mla_bwd(
                 x["q"], x["kv"], out, x["dout"], lse, x["topk_idxs"], attn_sink=x["attn_sink"]),
-                h, d, k, args.reps)
+                h, d, k, args.reps)))
+        for text in args.variant:
+            found = variant_kernel(text, "bwd", h, d, x["q"].device.index or 0)
+            if found is not None:
+                spec, kernel = found
+                call = lambda: kernel(x["q"], x["kv"], out, x["dout"], lse, x["topk_idxs"], None,  # noqa: E731
+                                      x["attn_sink"], d ** -0.5)
+                runs.append((f"{spec.backend}[{text.split(':', 2)[2]}]", (call(), time_cuda(call, reps=args.reps))))
+        for backend, run in runs:
             if run is None:
                 continue
             mine, ms = run
