@@ -15,11 +15,12 @@ if TYPE_CHECKING:
 
 def load(manifest: ArtifactManifest, read: Callable[[str], bytes], device_index: int) -> Any:
     """A :class:`CubinFwd` / :class:`CubinBwd` over the manifest's cubins on ``device_index``."""
-    kernels = {}
-    for st in manifest.stages:
+    blobs = {}
+    for st in manifest.stages:  # every file verified and every record parsed before the driver
         if st.format != "cubin":
             raise BuildError(f"{manifest.spec.id}: stage {st.name} is {st.format}, not a cubin")
-        kernels[st.name] = CubinKernel(LaunchRecord.model_validate(st.record), read(st.file), device_index)
+        blobs[st.name] = (LaunchRecord.model_validate(st.record), read(st.file))
+    kernels = {name: CubinKernel(record, cubin, device_index) for name, (record, cubin) in blobs.items()}
     if manifest.spec.op == "fwd":
         return CubinFwd(kernels["fwd"], manifest.spec)
     return CubinBwd(kernels["bwd_preprocess"], kernels["bwd_main"], kernels["bwd_postprocess"], manifest.spec)
