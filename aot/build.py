@@ -62,15 +62,18 @@ def build_and_publish(store: ArtifactStore | None, spec: KernelSpec, toolchain: 
     """Compile ``spec`` and publish it into ``store`` under its key, once across processes.
 
     Under the key's lock the store is looked up again first. ``store=None`` (no writable root)
+    or a toolchain that cannot key the build (:func:`~dsa_aot.identity.can_key_builds`)
     compiles in memory. A failure to store (disk full, read-only) keeps the files in memory and
     says why in ``error``. Raises :class:`~dsa_aot.backends.base.BuildError` when compiling
     fails, ``TimeoutError`` when another builder holds the lock too long.
     """
     backend = get_backend(spec.backend)
     key = build_identity(backend, spec, toolchain).key()
-    if store is None:
+    unkeyable = can_key_builds(backend, toolchain)
+    if store is None or unkeyable:  # never file an entry under a weakened key
         built = backend.build(spec)
-        return Published("memory", manifest_for(backend, spec, toolchain, built), files=built.files)
+        why = f"its build key cannot be computed here ({unkeyable})" if store is not None else None
+        return Published("memory", manifest_for(backend, spec, toolchain, built), files=built.files, error=why)
     with store.lock(key, spec.arch, spec.id):
         entry = store.lookup(key, spec.arch, spec.id)
         if entry is not None:

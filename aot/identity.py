@@ -71,11 +71,17 @@ def recorded_compilers_agree(backend: KernelBackend, recorded: BuildIdentity,
     the toolkit is absent): whatever part of the toolchain it does have must be the builder's.
     """
     theirs = {d.name: d for d in recorded.compilers}
+    unknown = incomplete_reasons(backend, toolchain)
     for mine in installed_compilers(backend, toolchain):
+        why = next((r for r in unknown if r.startswith(mine.name)), None)
+        if why is not None:  # its recorded content cannot vouch for what is installed here
+            return f"{mine.name} installed here cannot be identified ({why})"
         other = theirs.get(mine.name)
-        if other is None or (mine.version, mine.content_sha256) != (other.version, other.content_sha256):
-            built = f"{other.name} {other.version}" if other else "without it"
-            return f"built with {built}, {mine.name} {mine.version} is installed here"
+        if other is None:
+            return f"built without {mine.name}, {mine.name} {mine.version} is installed here"
+        if (mine.version, mine.content_sha256) != (other.version, other.content_sha256):
+            content = " of other content" if other.version == mine.version else ""
+            return f"built with {other.name} {other.version}{content}, {mine.name} {mine.version} is installed here"
     if (backend.uses_cuda_toolkit and toolchain.nvcc_version is not None
             and toolchain.nvcc_version != recorded.nvcc_version):
         return f"built with nvcc {recorded.nvcc_version}, nvcc {toolchain.nvcc_version} is installed here"

@@ -30,7 +30,8 @@ from typing import Any
 from dsa_aot import settings as _settings
 from dsa_aot.artifact import ArtifactManifest
 from dsa_aot.backends import BACKENDS, BuildError, CudaError, KernelBackend, ReferenceBackend
-from dsa_aot.cache.store import META, ArtifactStore, CacheError, CorruptArtifact, Entry, shared_writable_reason
+from dsa_aot.cache.store import (META, ArtifactStore, CacheError, CorruptArtifact, Entry, mkdirs,
+                                 shared_writable_reason)
 from dsa_aot.specs.keys import RuntimeIdentity
 from dsa_aot.specs.models import KernelSpec, arch_of_capability  # noqa: F401  (re-exported)
 
@@ -123,7 +124,9 @@ class Loader:
             if store is None:  # nowhere to keep the results: probe for this process only
                 self._features = run_probes(["sm_90a", "sm_100a"])
             else:
-                self._features = load_or_probe(store.features_path(self.fingerprint()), ["sm_90a", "sm_100a"])
+                path = store.features_path(self.fingerprint())
+                mkdirs(path.parent)  # 0755, like the entries (a umask 002 must not open it to the group)
+                self._features = load_or_probe(path, ["sm_90a", "sm_100a"])
         return self._features
 
     def ranking(self, op: str) -> list[str]:

@@ -465,7 +465,9 @@ def memo_put_many(kind: str, facts: dict[str, Any], keep: int = _MEMO_MAX) -> No
     data[kind] = dict(list(table.items())[-max(keep - len(facts), 0):]) | facts
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        from dsa_aot.cache.store import mkdirs  # 0755 levels: a umask 002 must not open the cache root
+
+        mkdirs(path.parent)
         tmp.write_text(json.dumps(data, indent=0))
         os.replace(tmp, path)
     except OSError:

@@ -1,4 +1,4 @@
-"""One loader (or store) run in a fresh process, for the multi-process reliability tests.
+"""One loader (or store) run in a fresh process, for the multi-process scenario tests.
 
 Usage: ``python _child.py '<json config>'``; prints one JSON line with the outcome. The
 cache root comes from ``DSA_AOT_CACHE_DIR``; the toolchain is pinned to ``REL_TOOLCHAIN`` (the
@@ -180,25 +180,27 @@ def main() -> None:
         if hit is None:
             if cfg.get("missed_dir"):
                 Path(cfg["missed_dir"], str(os.getpid())).touch()
-            hit = loader.build_and_load(spec, 0)
-        kernel, source = hit
-        out.update(source=source, cubins=kernel.cubins)
+            kernel, source = loader.build_and_load(spec, 0)
+            rule = None
+        else:
+            kernel, source, rule = hit
+        out.update(source=source, rule=rule, cubins=kernel.cubins)
     elif action == "build_one":  # the prebuild worker
         from dsa_aot.prebuild import build_one
 
         fingerprint = Toolchain.current().fingerprint  # what the worker will check against
         outcome = build_one(spec.model_dump_json(), os.environ["DSA_AOT_CACHE_DIR"], fingerprint, 60.0)
-        out.update(status=outcome.status, message=outcome.message, fingerprint=fingerprint)
-    elif action == "gc":  # trim this fingerprint's entries to max_bytes
+        out.update(status=outcome.status, message=outcome.message, key=loader.key_of(spec))
+    elif action == "gc":  # keep only this spec's key, trimmed to max_bytes
         from dsa_aot.cache.store import ArtifactStore
 
-        report = ArtifactStore(os.environ["DSA_AOT_CACHE_DIR"]).gc(loader.fingerprint(), int(cfg["max_bytes"]))
+        report = ArtifactStore(os.environ["DSA_AOT_CACHE_DIR"]).gc(loader.key_of(spec), int(cfg["max_bytes"]))
         out["removed"] = report.removed_entries
-    elif action == "hits":  # hammer the advisory index
+    elif action == "hits":  # hammer the advisory index (entries under cfg["key"])
         from dsa_aot.cache.store import ArtifactStore
 
         store = ArtifactStore(os.environ["DSA_AOT_CACHE_DIR"])
-        entries = [store.lookup(loader.fingerprint(), spec.arch, sid) for sid in cfg["spec_ids"]]
+        entries = [store.lookup(cfg["key"], spec.arch, sid) for sid in cfg["spec_ids"]]
         for i in range(int(cfg["hits"])):
             store.record_hit(entries[i % len(entries)])
         out["hits"] = int(cfg["hits"])

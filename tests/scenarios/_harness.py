@@ -1,4 +1,4 @@
-"""Shared pieces of the reliability tests: the CPU-side artifact check, child processes, digests.
+"""Shared pieces of the scenario tests: the CPU-side artifact check, child processes, digests.
 
 What is real here: the store, its file locks, the loader's lookup / build / publish protocol,
 TileLang and nvcc (through ``_tiny_kernel``). What is not: loading a cubin into a GPU, which
@@ -45,23 +45,32 @@ def check_cubin(data: bytes, entry: str) -> None:
         raise ValueError(f"entry {entry!r} is not in the cubin")
 
 
-def make_backend(calls: list | None = None, cpu_load: bool = True):
-    """A TileLangBackend that counts its builds (``build`` events). With ``cpu_load`` its
-    ``load`` checks the cubins on the CPU instead of loading them into a GPU; without, the
+TINY_KERNEL = "_tiny_kernel"  # module standing in for the TileLang fwd kernel (see _tiny_kernel.py)
+
+
+def make_backend(calls: list | None = None, cpu_load: bool = True, tiny: bool = True):
+    """A TileLangBackend that counts its builds (``build`` events). With ``tiny`` its fwd stage
+    is built by ``_tiny_kernel`` (class data: the key's sources follow it). With ``cpu_load``
+    its ``load`` checks the cubins on the CPU instead of loading them into a GPU; without, the
     real ``load`` runs (on a machine without a driver it fails in ``CubinKernel``)."""
-    from dsa_aot.backends import TileLangBackend
+    from dsa_aot.backends.tilelang import TileLangBackend
+    from dsa_aot.backends.tilelang.launch import LaunchRecord
+
+    kernels = dict(TileLangBackend.kernel_modules, fwd=TINY_KERNEL) if tiny else TileLangBackend.kernel_modules
 
     class CountingTileLang(TileLangBackend):
-        def build(self, spec, fingerprint):
+        kernel_modules = kernels
+
+        def build(self, spec):
             record("build", spec.id)  # the compile counter
-            return super().build(spec, fingerprint)
+            return super().build(spec)
 
     class CpuCheckedTileLang(CountingTileLang):
         def load(self, manifest, read: Callable[[str], bytes], device_index: int) -> CpuLoaded:
             cubins = {}
             for stage in manifest.stages:
                 data = read(stage.file)  # the loader's reader: sha256-checked store read
-                check_cubin(data, stage.launch.entry)
+                check_cubin(data, LaunchRecord.model_validate(stage.record).entry)
                 cubins[stage.name] = hashlib.sha256(data).hexdigest()
             if calls is not None:
                 calls.append((manifest.spec.id, cubins))
@@ -72,23 +81,29 @@ def make_backend(calls: list | None = None, cpu_load: bool = True):
 
 
 def install(calls: list | None = None, tiny: bool = True, cpu_load: bool = True) -> Callable[[], None]:
-    """Count builds, route loads to the CPU check (``cpu_load``) and the TileLang fwd stage to
-    the tiny kernel (``tiny``); returns a function that undoes all of it."""
-    from dsa_aot import backends, registry
+    """Put the counting backend in place of the installed ``tilelang`` one (tiny fwd kernel with
+    ``tiny``, CPU-checked loads with ``cpu_load``); returns a function that undoes it."""
+    from dsa_aot import backends
 
     if str(HERE) not in sys.path:
         sys.path.insert(0, str(HERE))
-    old_stages = registry.STAGES[("tilelang", "fwd")]
-    old_backend = backends.BACKENDS["tilelang"]
-    if tiny:
-        registry.STAGES[("tilelang", "fwd")] = (registry.StageDef("fwd", "_tiny_kernel", "build_fwd"),)
-    backends.BACKENDS["tilelang"] = make_backend(calls, cpu_load)
+    found = backends._discover()  # the table behind backends.get / BACKENDS
+    old_backend = found["tilelang"]
+    found["tilelang"] = make_backend(calls, cpu_load, tiny)
 
     def undo() -> None:
-        registry.STAGES[("tilelang", "fwd")] = old_stages
-        backends.BACKENDS["tilelang"] = old_backend
+        found["tilelang"] = old_backend
 
     return undo
+
+
+def key_of(spec, toolchain=None) -> str:
+    """The build key of ``spec`` for the installed backend under ``toolchain`` (default: current)."""
+    from dsa_aot.backends import get
+    from dsa_aot.identity import build_identity
+    from dsa_aot.specs.toolchain import Toolchain
+
+    return build_identity(get(spec.backend), spec, toolchain or Toolchain.current()).key()
 
 
 def spec(heads: int = 16, d_qk: int = 512, layout: str = "noncompact", arch: str = "sm_90a"):

@@ -1,10 +1,10 @@
-"""A small real TileLang kernel standing in for the sparse MLA stages in the reliability tests.
+"""A small real TileLang kernel standing in for the sparse MLA stages in the scenario tests.
 
-It compiles through the real build path (``TileLangBackend.build`` -> ``compile_stage`` ->
-nvcc) in about a second, so many concurrent builds stay affordable on two cores. Its output
-depends on the spec, so different variants give different cubins. The builder also records
-its arrival and can be told to wait for other
-processes or to die, to stage races and crashes from the outside.
+It compiles through the real build path (``TileLangBackend.build`` -> ``build_stage`` ->
+``compile_stage`` -> nvcc) in about a second, so many concurrent builds stay affordable on two
+cores. Its output depends on the spec, so different variants give different cubins. The
+builder also records its arrival and can be told to wait for other processes or to die, to
+stage races and crashes from the outside.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fixtures of the reliability tests: an isolated cache, a pinned toolchain, child processes."""
+"""Fixtures of the scenario tests: an isolated cache, a pinned toolchain, child processes."""
 
 from __future__ import annotations
 
@@ -20,13 +20,6 @@ def toolchain_json() -> str:
     return Toolchain.current().model_dump_json()
 
 
-@pytest.fixture(scope="session")
-def fingerprint(toolchain_json) -> str:
-    from dsa_aot.specs.toolchain import Toolchain
-
-    return Toolchain.model_validate_json(toolchain_json).fingerprint
-
-
 @dataclass
 class Rig:
     """One test's cache root, events file and child-process environment."""
@@ -34,7 +27,15 @@ class Rig:
     root: Path
     events_path: Path
     toolchain_json: str
-    fingerprint: str
+
+    def key(self, spec=None, tiny: bool = True) -> str:
+        """The build key the children file ``spec`` (default ``_harness.spec()``) under: the
+        counting backend's (tiny fwd kernel unless ``tiny=False``) under the pinned toolchain."""
+        from dsa_aot.identity import build_identity
+        from dsa_aot.specs.toolchain import Toolchain
+
+        toolchain = Toolchain.model_validate_json(self.toolchain_json)
+        return build_identity(_harness.make_backend(tiny=tiny), spec or _harness.spec(), toolchain).key()
 
     def env(self, **extra: str) -> dict[str, str]:
         return _harness.child_env(self.root, self.events_path, self.toolchain_json, **extra)
@@ -55,8 +56,8 @@ class Rig:
 
 
 @pytest.fixture
-def rig(tmp_path, toolchain_json, fingerprint) -> Rig:
-    return Rig(tmp_path / "cache", tmp_path / "events.log", toolchain_json, fingerprint)
+def rig(tmp_path, toolchain_json) -> Rig:
+    return Rig(tmp_path / "cache", tmp_path / "events.log", toolchain_json)
 
 
 @pytest.fixture(scope="session")
@@ -87,34 +88,36 @@ class InProcess:
 
         return ArtifactStore(root or self.root, **kw)
 
-    def fingerprint(self) -> str:
-        from dsa_aot.specs.toolchain import Toolchain
-
-        return Toolchain.current().fingerprint
+    def key(self, spec) -> str:
+        """The build key of ``spec`` in this process (the installed counting backend)."""
+        return _harness.key_of(spec)
 
     def publish(self, spec, root: Path | None = None):
-        """Build ``spec`` for real and publish it, exactly as ``Loader.build_and_load`` does."""
-        from dsa_aot.backends import BACKENDS
+        """Build ``spec`` for real and publish it through the loader's JIT path
+        (:func:`dsa_aot.build.build_and_publish`); returns the entry."""
+        from dsa_aot.build import build_and_publish
+        from dsa_aot.specs.toolchain import Toolchain
 
         store = self.store(root)
-        built = BACKENDS[spec.backend].build(spec, self.fingerprint())
         try:
-            with store.lock(self.fingerprint(), spec.arch, spec.id):
-                return store.publish(self.fingerprint(), spec.arch, spec.id, built.files,
-                                     built.manifest.model_dump(mode="json"))
+            done = build_and_publish(store, spec, Toolchain.current())
         finally:
             if store._index is not None:  # close the index now, not whenever GC gets to it
                 store._index.close()
+        assert done.status == "built", (done.status, done.error)
+        return done.entry
 
     def seed_features(self, root: Path | None = None) -> None:
         """Put the session's probe results where the loader looks for them."""
-        path = (root or self.root) / self.fingerprint() / "features.json"
+        from dsa_aot.specs.toolchain import Toolchain
+
+        path = self.store(root).features_path(Toolchain.current().fingerprint)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(self.features_json)
 
 
 def _in_process(tmp_path, monkeypatch) -> InProcess:
-    from dsa_aot import launch
+    from dsa_aot.backends.tilelang import launch
 
     events = tmp_path / "events.log"
     monkeypatch.setenv("REL_EVENTS", str(events))

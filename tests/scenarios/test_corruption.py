@@ -48,7 +48,7 @@ def test_damaged_cubin_is_refused_quarantined_and_rebuilt(inproc, damage, caplog
     assert "sha256 mismatch" in caplog.text and f"refused {entry.key}" in caplog.text
     reasons = _quarantined(inproc.root)
     assert len(reasons) == 1 and "sha256 mismatch" in next(iter(reasons.values()))
-    assert inproc.store().lookup(inproc.fingerprint(), SPEC.arch, SPEC.id) is None
+    assert inproc.store().lookup(inproc.key(SPEC), SPEC.arch, SPEC.id) is None
 
     # The full chain: miss -> JIT rebuild (published, verified) -> load of the good bytes.
     inproc.seed_features()
@@ -58,7 +58,7 @@ def test_damaged_cubin_is_refused_quarantined_and_rebuilt(inproc, damage, caplog
     with caplog.at_level(logging.INFO, logger="dsa_aot"), expect_fallback:
         kernel, res = loader.resolve("fwd", SPEC.arch, SPEC.d_qk, SPEC.heads, SPEC.layout, 0)
     assert len(inproc.builds()) == 3  # the two originals, then one rebuild
-    rebuilt = inproc.store().lookup(inproc.fingerprint(), SPEC.arch, SPEC.id)
+    rebuilt = inproc.store().lookup(inproc.key(SPEC), SPEC.arch, SPEC.id)
     assert rebuilt is not None and inproc.store().verify(rebuilt) == []
     assert inproc.driver_calls  # the rebuilt, intact artifact did reach the driver
     if not torch.cuda.is_available():  # no driver here: a logged fallback, not a crash
@@ -74,8 +74,8 @@ def test_bit_flip_in_launch_record_is_refused(inproc, caplog):
     meta_path = entry.path / "meta.json"
     text = meta_path.read_text()
     meta = json.loads(text)
-    block = meta["payload"]["stages"][0]["launch"]["block"]
-    meta["payload"]["stages"][0]["launch"]["block"] = [block[0] ^ 1, *block[1:]]  # 128 -> 129
+    block = meta["payload"]["stages"][0]["record"]["block"]
+    meta["payload"]["stages"][0]["record"]["block"] = [block[0] ^ 1, *block[1:]]  # 128 -> 129
     meta_path.write_text(json.dumps(meta, indent=1))
 
     with caplog.at_level(logging.INFO, logger="dsa_aot"):
@@ -86,7 +86,8 @@ def test_bit_flip_in_launch_record_is_refused(inproc, caplog):
 
 def test_entry_copied_under_another_key_is_quarantined(inproc):
     a = inproc.publish(SPEC)
-    b_dir = inproc.store().entry_dir(inproc.fingerprint(), SPEC.arch, _harness.spec(heads=32).id)
+    h32 = _harness.spec(heads=32)
+    b_dir = inproc.store().entry_dir(inproc.key(h32), h32.arch, h32.id)
     b_dir.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(a.path, b_dir)
     assert Loader().try_load(_harness.spec(heads=32), 0) is None
@@ -101,38 +102,58 @@ def test_payload_of_another_spec_is_refused(inproc, caplog):
     store = inproc.store()
     files = {name: store.read_file(h16, name) for name in h16.meta.files}
     h32 = _harness.spec(heads=32)
-    with store.lock(inproc.fingerprint(), h32.arch, h32.id):
-        store.publish(inproc.fingerprint(), h32.arch, h32.id, files, h16.meta.payload)
+    with store.lock(inproc.key(h32), h32.arch, h32.id):
+        store.publish(inproc.key(h32), h32.arch, h32.id, files, h16.meta.payload)
     with caplog.at_level(logging.INFO, logger="dsa_aot"):
         assert Loader().try_load(h32, 0) is None
     assert inproc.driver_calls == []
-    assert store.lookup(inproc.fingerprint(), h32.arch, h32.id) is None  # quarantined
+    assert store.lookup(inproc.key(h32), h32.arch, h32.id) is None  # quarantined
     assert h16.key in caplog.text or SPEC.id in caplog.text
 
 
-def test_other_toolchains_entries_are_never_used(inproc):
-    stale_fp = "0" * 16
+def test_other_toolchains_entries_are_never_used(inproc, caplog):
+    """With the compilers installed only the exact build key is looked up: an entry of the same
+    spec built by another TileLang (a self-consistent manifest under its own key), or filed under
+    a key that is not its own, is stale: logged, not loaded, not quarantined."""
+    from dsa_aot.artifact import ArtifactManifest
+    from dsa_aot.backends import get
+    from dsa_aot.identity import build_identity
+    from dsa_aot.specs.toolchain import Distribution, Toolchain
+
     store = inproc.store()
     built = inproc.publish(SPEC)
     files = {name: store.read_file(built, name) for name in built.meta.files}
     shutil.rmtree(built.path)
-    store.publish(stale_fp, SPEC.arch, SPEC.id, files, built.meta.payload)
-    assert Loader().try_load(SPEC, 0) is None
+    mine = Toolchain.current()
+    other = mine.model_copy(update={"tilelang": Distribution(name="tilelang", version=mine.tilelang.version,
+                                                             content_sha256="0" * 64)})
+    theirs = build_identity(get("tilelang"), SPEC, other)
+    assert theirs.key() != inproc.key(SPEC)
+    manifest = ArtifactManifest.model_validate({**built.meta.payload, "key": theirs.key(),
+                                                "build": theirs.model_dump(mode="json")})
+    store.publish(theirs.key(), SPEC.arch, SPEC.id, files, manifest.model_dump(mode="json"))
+    store.publish("0" * 16, SPEC.arch, SPEC.id, files, built.meta.payload)
+    with caplog.at_level(logging.INFO, logger="dsa_aot"):
+        assert Loader().try_load(SPEC, 0) is None
     assert inproc.driver_calls == [] and not _quarantined(inproc.root)
+    assert "stale" in caplog.text
 
 
 def test_incomplete_toolchain_neither_reads_nor_writes_the_disk_cache(inproc_cpu, caplog):
     """With a weakened key (an input could not be hashed) the disk cache is skipped both ways:
-    an entry already filed under that key is not loaded, and the fresh build stays in memory."""
+    an entry already filed under that key is not loaded (nor served by runtime identity, since
+    the installed TileLang cannot be identified), and the fresh build stays in memory."""
+    from dsa_aot.backends import get
+    from dsa_aot.build import manifest_for
     from dsa_aot.specs.toolchain import Toolchain
 
     weak = Toolchain.current().model_copy(update={"complete": False, "incomplete_reasons": ("tilelang: editable install",)})
     store = inproc_cpu.store()
-    with store.lock(weak.fingerprint, SPEC.arch, SPEC.id):
-        from dsa_aot.backends import BACKENDS
-
-        built = BACKENDS["tilelang"].build(SPEC, weak.fingerprint)
-        store.publish(weak.fingerprint, SPEC.arch, SPEC.id, built.files, built.manifest.model_dump(mode="json"))
+    backend = get("tilelang")
+    built = backend.build(SPEC)
+    manifest = manifest_for(backend, SPEC, weak, built)
+    with store.lock(manifest.key, SPEC.arch, SPEC.id):
+        store.publish(manifest.key, SPEC.arch, SPEC.id, built.files, manifest.model_dump(mode="json"))
     loader = Loader()
     loader._toolchain = weak
     with caplog.at_level(logging.INFO, logger="dsa_aot"):
@@ -141,3 +162,4 @@ def test_incomplete_toolchain_neither_reads_nor_writes_the_disk_cache(inproc_cpu
     assert "editable install" in caplog.text
     assert source == "jit:memory" and len(inproc_cpu.builds()) == 2  # compiled again, not read back
     assert [s for s, _ in inproc_cpu.loaded] == [SPEC.id]
+    assert [e.key for e in store.entries()] == [f"{manifest.key}/{SPEC.arch}/{SPEC.id}"]  # nothing new written

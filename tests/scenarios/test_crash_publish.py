@@ -31,7 +31,7 @@ def test_sigkill_during_publish(rig, point):
     assert len(rig.builds()) == 1
 
     store = rig.store()
-    entry = store.lookup(rig.fingerprint, "sm_90a", sid)
+    entry = store.lookup(rig.key(), "sm_90a", sid)
     if point in BEFORE_RENAME:
         assert entry is None  # nothing half-published is visible
         if point != "in_compile":
@@ -47,7 +47,7 @@ def test_sigkill_during_publish(rig, point):
         assert nxt.result["source"].startswith("jit:") and len(rig.builds()) == 2  # rebuilt
     else:
         assert nxt.result["source"].startswith("cache:") and len(rig.builds()) == 1  # reused
-    entry = store.lookup(rig.fingerprint, "sm_90a", sid)
+    entry = store.lookup(rig.key(), "sm_90a", sid)
     assert entry is not None and store.verify(entry) == []
     assert nxt.result["cubins"]["fwd"] == hashlib.sha256(store.read_file(entry, "fwd.cubin")).hexdigest()
     assert _harness.staging_leftovers(rig.root) == []  # ...and is swept
@@ -63,11 +63,11 @@ def test_gc_killed_mid_delete_does_not_wedge_the_key(rig):
     killed = rig.run({"action": "gc", "max_bytes": 0, "fault": "kill:gc_rmtree_after_meta"})
     assert killed.returncode == -signal.SIGKILL
     store = rig.store()
-    assert store.lookup(rig.fingerprint, "sm_90a", sid) is None  # metaless debris is not an entry
+    assert store.lookup(rig.key(), "sm_90a", sid) is None  # metaless debris is not an entry
     nxt = rig.run({})
     assert nxt.returncode == 0, nxt.stderr[-2000:]
     assert nxt.result["source"] == f"jit:{rig.root}", nxt.stderr[-2000:]  # published, not memory-only
-    entry = store.lookup(rig.fingerprint, "sm_90a", sid)
+    entry = store.lookup(rig.key(), "sm_90a", sid)
     assert entry is not None and store.verify(entry) == []
 
 
@@ -91,7 +91,7 @@ def test_sweep_spares_a_live_builder(rig, tmp_path):
     assert done.returncode == 0 and done.result["source"] == f"jit:{rig.root}", done.stderr[-2000:]
     store = rig.store()
     for heads in (16, 32):
-        entry = store.lookup(rig.fingerprint, "sm_90a", _harness.spec(heads=heads).id)
+        entry = store.lookup(rig.key(_harness.spec(heads=heads)), "sm_90a", _harness.spec(heads=heads).id)
         assert entry is not None and store.verify(entry) == []
     assert _harness.staging_leftovers(rig.root) == []
 

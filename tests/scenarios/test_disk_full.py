@@ -19,13 +19,13 @@ POINTS = ["first_byte", "mid_artifact", "in_meta", "fsync"]
 
 def _existing_entry(rig) -> None:
     """Another entry already in the cache (its content does not matter to the store)."""
-    rig.store().publish(rig.fingerprint, "sm_90a", _harness.spec(heads=32).id,
+    rig.store().publish(rig.key(_harness.spec(heads=32)), "sm_90a", _harness.spec(heads=32).id,
                         {"fwd.cubin": b"\x7fELF" + os.urandom(6000), "fwd.cu": b"// source"}, {"k": "v"})
 
 
 def _entry_digest(rig, heads):
     store = rig.store()
-    entry = store.lookup(rig.fingerprint, "sm_90a", _harness.spec(heads=heads).id)
+    entry = store.lookup(rig.key(_harness.spec(heads=heads)), "sm_90a", _harness.spec(heads=heads).id)
     assert entry is not None and store.verify(entry) == []
     return _harness.tree_digest(entry.path)
 
@@ -34,7 +34,7 @@ def _check_full_disk_run(rig, res, before):
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.result["source"] == "jit:memory"  # the kernel still runs, from memory
     assert "No space left on device" in res.stderr and "could not store" in res.stderr  # says why
-    assert rig.store().lookup(rig.fingerprint, "sm_90a", _harness.spec().id) is None  # no entry at all
+    assert rig.store().lookup(rig.key(), "sm_90a", _harness.spec().id) is None  # no entry at all
     assert _harness.staging_leftovers(rig.root) == []  # the half-written staging dir is gone
     assert not (rig.root / ".quarantine").exists()
     assert _entry_digest(rig, 32) == before  # the existing entry is intact
@@ -55,7 +55,7 @@ def test_enospc_in_prebuild_worker_is_a_clear_failure(rig):
     res = rig.run({"action": "build_one", "fault": "enospc:mid_artifact"})
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.result["status"] == "failed" and "No space left on device" in res.result["message"]
-    assert rig.store().lookup(res.result["fingerprint"], "sm_90a", _harness.spec().id) is None
+    assert rig.store().lookup(res.result["key"], "sm_90a", _harness.spec().id) is None
     assert _harness.staging_leftovers(rig.root) == []
 
 

@@ -42,15 +42,15 @@ def _hammer(fn, per_thread: int) -> list:
 
 
 def test_store_lookups_from_eight_threads(rig):
-    store = rig.store()
+    store, key = rig.store(), rig.key()
     cubin = b"\x7fELF" + os.urandom(6000)  # the size of a small real cubin
     payload = {"stages": [{"name": "fwd", "grid": ["s_q", "1", "1"], "params": list(range(12))}], "x": "y" * 400}
-    store.publish(rig.fingerprint, "sm_90a", _harness.spec().id, {"fwd.cubin": cubin, "fwd.cu": os.urandom(30000)},
+    store.publish(key, "sm_90a", _harness.spec().id, {"fwd.cubin": cubin, "fwd.cu": os.urandom(30000)},
                   payload)
     want = hashlib.sha256(cubin).hexdigest()
 
     def lookup_and_read() -> tuple[str, str]:
-        entry = store.lookup(rig.fingerprint, "sm_90a", _harness.spec().id)
+        entry = store.lookup(key, "sm_90a", _harness.spec().id)
         return entry.meta.spec_id, hashlib.sha256(store.read_file(entry, "fwd.cubin")).hexdigest()
 
     results = _hammer(lookup_and_read, 1250)
@@ -69,21 +69,22 @@ def test_ops_memo_from_eight_threads():
 
 
 def test_index_survives_concurrent_writers(rig):
-    store = rig.store()
+    store, key = rig.store(), rig.key()
     sids = [_harness.spec(heads=h).id for h in (16, 32)]
     for sid in sids:
-        store.publish(rig.fingerprint, "sm_90a", sid, {"fwd.cubin": os.urandom(1000)})
-    hitters = [_harness.start_child({"action": "hits", "spec_ids": sids, "hits": 250}, rig.env()) for _ in range(4)]
+        store.publish(key, "sm_90a", sid, {"fwd.cubin": os.urandom(1000)})
+    hitters = [_harness.start_child({"action": "hits", "key": key, "spec_ids": sids, "hits": 250}, rig.env())
+               for _ in range(4)]
     for i in range(20):  # meanwhile this process publishes (index writes too)
-        store.publish(rig.fingerprint, "sm_90a", f"extra-{i}", {"f": os.urandom(100)})
+        store.publish(key, "sm_90a", f"extra-{i}", {"f": os.urandom(100)})
     for proc in hitters:
         res = _harness.finish(proc, 120)
         assert res.returncode == 0, res.stderr[-2000:]
     for sid in sids:  # 4 processes x 250 hits over 2 entries: 500 each, none lost
-        assert store.stats(store.lookup(rig.fingerprint, "sm_90a", sid))["hits"] == 500
-    keep = store.lookup(rig.fingerprint, "sm_90a", sids[0])
+        assert store.stats(store.lookup(key, "sm_90a", sid))["hits"] == 500
+    keep = store.lookup(key, "sm_90a", sids[0])
     store.record_hit(keep)  # most recently used
-    report = store.gc(rig.fingerprint, max_bytes=keep.size)
+    report = store.gc(key, max_bytes=keep.size)
     assert len(report.removed_entries) == 21 and report.remaining_bytes == keep.size
     assert [e.meta.spec_id for e in store.entries()] == [sids[0]]
     assert store.stats(keep)["hits"] == 501

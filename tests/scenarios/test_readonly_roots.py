@@ -25,7 +25,7 @@ def _image_layer(rig, src: Path) -> None:
     """Build the prebuilt root like an image build would, with one damaged entry, then chmod a-w."""
     for spec in (HIT, BAD):
         rig.publish(spec, root=src)
-    bad = rig.store(src).lookup(rig.fingerprint(), BAD.arch, BAD.id)
+    bad = rig.store(src).lookup(rig.key(BAD), BAD.arch, BAD.id)
     cubin = bad.path / "fwd.cubin"
     data = cubin.read_bytes()
     cubin.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
@@ -36,8 +36,9 @@ def _check_overlay_behaviour(rig, prebuilt: Path, caplog) -> None:
     before = _harness.tree_digest(prebuilt)
     loader = Loader()
     with caplog.at_level(logging.INFO, logger="dsa_aot"):
-        kernel, source = loader.try_load(HIT, 0)
+        kernel, source, rule = loader.try_load(HIT, 0)
         assert source == f"prebuilt:{prebuilt}" and kernel.spec_id == HIT.id  # a hit loads
+        assert rule == "build key"
 
         assert loader.try_load(MISS, 0) is None  # a miss JIT-compiles into the writable overlay
         kernel, source = loader.build_and_load(MISS, 0)
@@ -47,13 +48,13 @@ def _check_overlay_behaviour(rig, prebuilt: Path, caplog) -> None:
         assert "sha256 mismatch" in caplog.text
         kernel, source = loader.build_and_load(BAD, 0)  # ... and replaced in the overlay
         assert source == f"jit:{rig.root}"
-        kernel, source = Loader().try_load(BAD, 0)
+        kernel, source, rule = Loader().try_load(BAD, 0)
         assert source == f"cache:{rig.root}"
 
     assert [s for s, _ in rig.loaded] == [HIT.id, MISS.id, BAD.id, BAD.id]
     assert _harness.tree_digest(prebuilt) == before  # not one byte written, moved or created
     for spec in (MISS, BAD):
-        entry = rig.store().lookup(rig.fingerprint(), spec.arch, spec.id)
+        entry = rig.store().lookup(rig.key(spec), spec.arch, spec.id)
         assert entry is not None and rig.store().verify(entry) == []
 
 

@@ -91,11 +91,11 @@ def _unsafe(path: Path, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["world-writable", "group-writable", "foreign-owner"])
-@pytest.mark.parametrize("where", ["cache root", "prebuilt root", "fingerprint dir", "entry dir", "meta.json"])
+@pytest.mark.parametrize("where", ["cache root", "prebuilt root", "key dir", "entry dir", "meta.json"])
 def test_shared_writable_tree_is_not_loaded_from(inproc_cpu, scoped_settings, tmp_path, caplog, how, where):
     root = inproc_cpu.root if where != "prebuilt root" else tmp_path / "image"
     entry = inproc_cpu.publish(SPEC, root=root)
-    target = {"cache root": root, "prebuilt root": root, "fingerprint dir": entry.path.parent.parent,
+    target = {"cache root": root, "prebuilt root": root, "key dir": entry.path.parent.parent,
               "entry dir": entry.path, "meta.json": entry.path / "meta.json"}[where]
     _unsafe(target, how)
     scoped_settings(DSA_AOT_CACHE_DIR=str(inproc_cpu.root),

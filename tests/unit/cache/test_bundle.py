@@ -11,24 +11,33 @@ import pytest
 from dsa_aot.cache.bundle import BundleError, export_bundle, import_bundle
 from dsa_aot.cache.store import ArtifactStore
 
-FP, ARCH, SID = "0123456789abcdef", "sm_90a", "fwd-sm_90a-d576-h64-compact-tilelang"
+KEY, ARCH, SID = "0123456789abcdef", "sm_90a", "fwd-sm_90a-d576-h64-compact-tilelang"
 
 
 def _source(tmp_path):
     src = ArtifactStore(tmp_path / "src")
-    src.publish(FP, ARCH, SID, {"fwd.cubin": b"\x7fELF" + bytes(100)}, {"k": "v"})
+    src.publish(KEY, ARCH, SID, {"fwd.cubin": b"\x7fELF" + bytes(100)}, {"k": "v"})
     return src
 
 
 def test_round_trip(tmp_path):
     bundle = tmp_path / "b.tar"
-    assert export_bundle(_source(tmp_path), bundle) == [f"{FP}/{ARCH}/{SID}"]
+    assert export_bundle(_source(tmp_path), bundle) == [f"{KEY}/{ARCH}/{SID}"]
     dst = ArtifactStore(tmp_path / "dst")
     report = import_bundle(dst, bundle)
-    assert report.imported == [f"{FP}/{ARCH}/{SID}"]
-    entry = dst.lookup(FP, ARCH, SID)
+    assert report.imported == [f"{KEY}/{ARCH}/{SID}"]
+    entry = dst.lookup(KEY, ARCH, SID)
     assert dst.read_file(entry, "fwd.cubin").startswith(b"\x7fELF") and entry.meta.payload == {"k": "v"}
-    assert import_bundle(dst, bundle).already_present == [f"{FP}/{ARCH}/{SID}"]
+    assert import_bundle(dst, bundle).already_present == [f"{KEY}/{ARCH}/{SID}"]
+
+
+def test_export_filters_by_keys(tmp_path):
+    src = _source(tmp_path)
+    src.publish("fedcba9876543210", ARCH, SID, {"fwd.cubin": b"\x7fELF" + bytes(10)}, {"k": "other"})
+    bundle = tmp_path / "b.tar"
+    assert export_bundle(src, bundle, keys={KEY}) == [f"{KEY}/{ARCH}/{SID}"]
+    assert export_bundle(src, bundle, keys=set()) == []
+    assert sorted(export_bundle(src, bundle)) == sorted([f"{KEY}/{ARCH}/{SID}", f"fedcba9876543210/{ARCH}/{SID}"])
 
 
 def _rewrite(src_tar, dst_tar, mutate):

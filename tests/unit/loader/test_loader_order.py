@@ -23,7 +23,7 @@ def loader(monkeypatch: pytest.MonkeyPatch):
 
     def try_load(spec, device_index):
         calls.append(("lookup", spec.backend))
-        return (f"kernel:{spec.id}", "prebuilt:/image") if spec.backend in stored else None
+        return (f"kernel:{spec.id}", "prebuilt:/image", "build key") if spec.backend in stored else None
 
     def build_and_load(spec, device_index):
         calls.append(("jit", spec.backend))
@@ -40,7 +40,7 @@ def loader(monkeypatch: pytest.MonkeyPatch):
 def test_stored_second_backend_beats_jit_of_the_first(loader):
     loader.stored.add("tilelang")
     kernel, res = loader.resolve(*SHAPE)
-    assert res.spec.backend == "tilelang" and res.source == "prebuilt:/image"
+    assert res.spec.backend == "tilelang" and res.source == "prebuilt:/image" and res.rule == "build key"
     assert loader.calls == [("lookup", "cutedsl"), ("lookup", "tilelang")]
 
 
@@ -52,7 +52,7 @@ def test_first_backend_stored_is_used_first(loader):
 
 def test_nothing_stored_jit_builds_in_ranking_order(loader):
     _, res = loader.resolve(*SHAPE)
-    assert res.source == "jit:/cache" and res.spec.backend == "cutedsl"
+    assert res.source == "jit:/cache" and res.spec.backend == "cutedsl" and res.rule == ""
     assert loader.calls == [("lookup", "cutedsl"), ("lookup", "tilelang"), ("jit", "cutedsl")]
 
 

@@ -1,86 +1,247 @@
-"""A runtime image without a CUDA toolkit serves the builder's artifacts, and only those.
+"""Which stored entry of a spec the loader may serve, by what is installed in the process.
 
-The builder's key includes its nvcc version; a process with no nvcc cannot know it, so the
-loader adopts the key of the builder whose recorded toolchain equals its own in every other
-field (:func:`dsa_aot.loader.builder_fingerprint`). These tests publish entries stamped with a
-toolchain and check which key each process would look up.
+* The spec's compilers (and the CUDA toolkit) installed: only the exact build key is looked up;
+  an entry of the same spec built by another toolchain is stale (logged, never served).
+* Not installed (a serving image): the newest entry whose recorded runtime identity (our load
+  code, the spec's kernel sources, arch, host) equals this process's, and whose builder used
+  the same version and content of every compiler part installed here (e.g. the same TileLang
+  in an image without nvcc). Any other entry is refused, with the reason logged.
+
+Entries here carry real v2 manifests (identities computed by :mod:`dsa_aot.identity`) over a
+stand-in cubin; the backend's ``load`` is replaced by a recorder, so the rule is observed
+without a GPU.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import logging
+import shutil
+import time
 
 import pytest
 
+from dsa_aot.artifact import ArtifactManifest
+from dsa_aot.backends import get
+from dsa_aot.backends.base import StageArtifact
+from dsa_aot.backends.tilelang.launch import LaunchRecord
 from dsa_aot.cache.store import ArtifactStore
-from dsa_aot.loader import Loader, builder_fingerprint
-from dsa_aot.specs.toolchain import Toolchain
+from dsa_aot.identity import build_identity, can_key_builds, runtime_identity
+from dsa_aot.loader import Loader
+from dsa_aot.specs.keys import RuntimeIdentity
+from dsa_aot.specs.models import KernelSpec
+from dsa_aot.specs.toolchain import Distribution, Toolchain
 
-ARCH, SPEC = "sm_90a", "fwd-sm_90a-d576-h64-noncompact-tilelang"
+SPEC = KernelSpec.from_id("fwd-sm_90a-d576-h64-noncompact-tilelang")
+CUBIN = b"\x7fELF stand-in cubin"
 
 
 @pytest.fixture
-def builder() -> Toolchain:
-    return Toolchain.current().model_copy(update={"nvcc_version": "13.0.88", "cuda_driver_min": "13.0"})
+def backend():
+    return get("tilelang")
 
 
-def _runtime(builder: Toolchain, **change: object) -> Toolchain:
-    return builder.model_copy(update={"nvcc_version": None, "cuda_driver_min": None, **change})
+@pytest.fixture
+def builder(backend) -> Toolchain:
+    """The toolchain that built the entries: this one, with TileLang and an nvcc."""
+    t = Toolchain.current()
+    if t.tilelang is None or can_key_builds(backend, t) is not None:
+        pytest.skip(f"needs TileLang and nvcc installed: {can_key_builds(backend, t)}")
+    return t
 
 
-def _publish(root: Path, toolchain: Toolchain, *, stamp: dict | None | str = "same") -> ArtifactStore:
-    store = ArtifactStore(root)
-    recorded = toolchain.model_dump(mode="json") if stamp == "same" else stamp
-    payload = {"fingerprint": toolchain.fingerprint} | ({"toolchain": recorded} if recorded else {})
-    store.publish(toolchain.fingerprint, ARCH, SPEC, {"fwd.cubin": b"\x7fELF"}, payload)
-    return store
+@pytest.fixture
+def loads(backend, monkeypatch) -> list:
+    """Replace the backend's load: record (spec id, cubin bytes as read through the store)."""
+    calls: list = []
+
+    def load(manifest, read, device_index):
+        calls.append((manifest.spec.id, read(manifest.stages[0].file)))
+        return f"kernel:{manifest.spec.id}"
+
+    monkeypatch.setattr(backend, "load", load)
+    return calls
 
 
-def test_runtime_without_nvcc_adopts_the_builders_key(tmp_path, builder):
-    store = _publish(tmp_path, builder)
-    runtime = _runtime(builder)
-    assert runtime.fingerprint != builder.fingerprint
-    assert builder_fingerprint(store, runtime) == builder.fingerprint
+def _manifest(backend, toolchain: Toolchain, runtime: RuntimeIdentity | None = None,
+              edited: str | None = None) -> ArtifactManifest:
+    """A manifest of ``SPEC`` built under ``toolchain`` (from an ``edited`` source file: another key)."""
+    identity = build_identity(backend, SPEC, toolchain)
+    if edited is not None:
+        assert edited in identity.sources
+        identity = identity.model_copy(update={"sources": {**identity.sources, edited: "e" * 64}})
+    record = LaunchRecord(entry="sparse_mla_fwd_kernel", params=(), grid=("1", "1", "1"), block=(128, 1, 1))
+    stage = StageArtifact(name="fwd", format="cubin", file="fwd.cubin", record=record.model_dump(mode="json"))
+    return ArtifactManifest(spec=SPEC, key=identity.key(), build=identity,
+                            runtime=runtime or runtime_identity(backend, SPEC), stages=(stage,),
+                            cuda_driver_min=toolchain.cuda_driver_min, build_seconds=1.0)
+
+
+def _publish(store: ArtifactStore, manifest: ArtifactManifest, cubin: bytes = CUBIN):
+    entry = store.publish(manifest.key, SPEC.arch, SPEC.id, {"fwd.cubin": cubin}, manifest.model_dump(mode="json"))
+    time.sleep(0.01)  # distinct creation times: candidates() orders newest first
+    return entry
+
+
+def _other_tilelang(toolchain: Toolchain) -> Toolchain:
+    """The same TileLang version with other content (a rebuilt or patched install)."""
+    tl = toolchain.tilelang
+    return toolchain.model_copy(update={"tilelang": Distribution(name=tl.name, version=tl.version,
+                                                                 content_sha256="0" * 64)})
+
+
+def _loader(toolchain: Toolchain) -> Loader:
     loader = Loader()
-    loader._toolchain = runtime
-    assert loader.fingerprint_in(store) == builder.fingerprint
-    assert store.lookup(loader.fingerprint_in(store), ARCH, SPEC) is not None
+    loader._toolchain = toolchain
+    return loader
 
 
-@pytest.mark.parametrize("change", [
-    {"kernel_sources_sha256": "0" * 64},                       # other kernel sources
-    {"host": "linux-aarch64"},                                 # other host code
-    {"cutlass_dsl": ()},                                       # another DSL install
+# --- (a) the compilers are installed: the exact build key only -------------------------------
+
+def test_installed_compilers_look_up_the_exact_key(cache_root, backend, builder, loads):
+    store = ArtifactStore(cache_root)
+    mine = _publish(store, _manifest(backend, builder))
+    _publish(store, _manifest(backend, _other_tilelang(builder)), b"\x7fELF other build")  # newer
+    loader = _loader(builder)
+    assert loader.key_of(SPEC) == build_identity(backend, SPEC, builder).key() == mine.meta.fingerprint
+    match = loader.find(store, SPEC)
+    assert match is not None and match.rule == "build key" and match.entry.path == mine.path
+    kernel, source, rule = loader.try_load(SPEC, 0)
+    assert (kernel, source, rule) == (f"kernel:{SPEC.id}", f"cache:{cache_root}", "build key")
+    assert loads == [(SPEC.id, CUBIN)]
+
+
+@pytest.mark.parametrize("other", ["tilelang content", "tvm-ffi version", "nvcc version"])
+def test_another_toolchains_entry_is_stale(cache_root, backend, builder, loads, caplog, other):
+    """Same spec, same sources and runtime identity, built by another toolchain: a miss."""
+    theirs = {
+        "tilelang content": _other_tilelang(builder),
+        "tvm-ffi version": builder.model_copy(update={"tvm_ffi": builder.tvm_ffi.model_copy(
+            update={"version": "0.0.1"})}),
+        "nvcc version": builder.model_copy(update={"nvcc_version": "12.8.93", "cuda_driver_min": "12.8"}),
+    }[other]
+    store = ArtifactStore(cache_root)
+    stale = _publish(store, _manifest(backend, theirs))
+    assert stale.meta.fingerprint != build_identity(backend, SPEC, builder).key()
+    assert runtime_identity(backend, SPEC).mismatch(
+        RuntimeIdentity.model_validate(stale.meta.payload["runtime"])) is None  # would match by runtime
+    loader = _loader(builder)
+    with caplog.at_level(logging.INFO, logger="dsa_aot"):
+        assert loader.find(store, SPEC) is None
+        assert loader.try_load(SPEC, 0) is None
+    assert f"stale: {stale.key}" in caplog.text
+    assert loads == [] and store.quarantined() == []  # not loaded, not damaged either
+
+
+# --- (b) the backend's compiler is not installed: runtime identity -----------------------------
+
+@pytest.fixture
+def no_compiler(backend, builder, monkeypatch) -> Toolchain:
+    """A process without TileLang: find_spec of the compiler module finds nothing."""
+    monkeypatch.setattr(backend, "compiler_module", "dsa_aot_test_no_such_compiler")
+    assert backend.missing_compiler() is not None
+    return builder.model_copy(update={"tilelang": None})
+
+
+def test_without_the_compiler_the_runtime_identity_is_served(cache_root, backend, builder, no_compiler, loads,
+                                                             caplog):
+    store = ArtifactStore(cache_root)
+    entry = _publish(store, _manifest(backend, builder))
+    loader = _loader(no_compiler)
+    assert loader.key_of(SPEC) is None
+    with caplog.at_level(logging.INFO, logger="dsa_aot"):
+        match = loader.find(store, SPEC)
+        assert match is not None and match.rule == "runtime identity" and match.entry.path == entry.path
+        kernel, source, rule = loader.try_load(SPEC, 0)
+    assert (source, rule) == (f"cache:{cache_root}", "runtime identity")
+    assert loads == [(SPEC.id, CUBIN)]
+    assert f"serving {entry.key} by runtime identity" in caplog.text and "is not installed" in caplog.text
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("kernel_sha256", "0" * 64, "kernel_sha256 differs"),    # other kernel sources
+    ("runtime_sha256", "1" * 64, "runtime_sha256 differs"),  # other dsa-aot load code
+    ("host", "linux-aarch64", "host differs"),               # other host
 ])
-def test_any_other_difference_still_misses(tmp_path, builder, change):
-    store = _publish(tmp_path, builder)
-    runtime = _runtime(builder, **change)
-    assert builder_fingerprint(store, runtime) == runtime.fingerprint
+def test_without_the_compiler_another_runtime_identity_is_refused(cache_root, backend, builder, no_compiler,
+                                                                  loads, caplog, field, value, words):
+    store = ArtifactStore(cache_root)
+    good = _publish(store, _manifest(backend, builder))
+    foreign = runtime_identity(backend, SPEC).model_copy(update={field: value})
+    edited = "dsa_aot/kernels/tilelang_fwd.py" if field != "runtime_sha256" else "dsa_aot/backends/tilelang/build.py"
+    bad = _publish(store, _manifest(backend, builder, runtime=foreign, edited=edited), b"\x7fELF foreign")  # newer
+    assert bad.meta.fingerprint != good.meta.fingerprint
+    loader = _loader(no_compiler)
+    with caplog.at_level(logging.INFO, logger="dsa_aot"):
+        match = loader.find(store, SPEC)
+    assert match is not None and match.entry.path == good.path  # the newer, foreign one is skipped
+    assert f"not serving {bad.key}: its {words}" in caplog.text
+
+    shutil.rmtree(good.path)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dsa_aot"):
+        assert _loader(no_compiler).try_load(SPEC, 0) is None  # only the foreign one left: refused
+    assert f"not serving {bad.key}: its {words}" in caplog.text
+    assert loads == []
 
 
-def test_a_process_with_nvcc_never_adopts(tmp_path, builder):
-    store = _publish(tmp_path, builder)
-    other_nvcc = builder.model_copy(update={"nvcc_version": "13.1.20", "cuda_driver_min": "13.1"})
-    assert builder_fingerprint(store, other_nvcc) == other_nvcc.fingerprint
+def test_without_the_compiler_an_entry_without_identities_is_refused(cache_root, backend, no_compiler, loads,
+                                                                    caplog):
+    store = ArtifactStore(cache_root)
+    old = store.publish("0123456789abcdef", SPEC.arch, SPEC.id, {"fwd.cubin": CUBIN}, {"fingerprint": "x"})
+    with caplog.at_level(logging.INFO, logger="dsa_aot"):
+        assert _loader(no_compiler).try_load(SPEC, 0) is None
+    assert f"not serving {old.key}: its manifest records no runtime identity" in caplog.text
+    assert loads == []
 
 
-def test_unstamped_or_inconsistent_entries_are_not_adopted(tmp_path, builder):
-    runtime = _runtime(builder)
-    assert builder_fingerprint(_publish(tmp_path / "a", builder, stamp=None), runtime) == runtime.fingerprint
-    lying = builder.model_copy(update={"nvcc_version": "12.9.41"}).model_dump(mode="json")
-    assert builder_fingerprint(_publish(tmp_path / "b", builder, stamp=lying), runtime) == runtime.fingerprint
-    assert builder_fingerprint(ArtifactStore(tmp_path / "missing"), runtime) == runtime.fingerprint
+# --- (c) TileLang installed, no CUDA toolkit -------------------------------------------------
+
+@pytest.fixture
+def no_nvcc(builder) -> Toolchain:
+    return builder.model_copy(update={"nvcc_version": None, "cuda_driver_min": None})
 
 
-def test_manifest_stamp_must_be_the_keyed_toolchain(builder):
-    from dsa_aot.artifact import ArtifactManifest
-    from dsa_aot.launch import LaunchRecord
-    from dsa_aot.specs.models import KernelSpec
+def test_same_tilelang_without_nvcc_is_served_by_runtime_identity(cache_root, backend, builder, no_nvcc, loads,
+                                                                  caplog):
+    assert backend.missing_compiler() is None and "nvcc" in can_key_builds(backend, no_nvcc)
+    store = ArtifactStore(cache_root)
+    entry = _publish(store, _manifest(backend, builder))
+    loader = _loader(no_nvcc)
+    assert loader.key_of(SPEC) is None
+    with caplog.at_level(logging.INFO, logger="dsa_aot"):
+        kernel, source, rule = loader.try_load(SPEC, 0)
+    assert rule == "runtime identity" and loads == [(SPEC.id, CUBIN)]
+    assert f"serving {entry.key} by runtime identity (no CUDA toolkit" in caplog.text
 
-    launch = LaunchRecord(entry="k", params=(), grid=("1", "1", "1"), block=(1, 1, 1))
-    manifest = ArtifactManifest(spec=KernelSpec.from_id(SPEC), fingerprint=builder.fingerprint,
-                                stages=({"format": "cubin", "name": "fwd", "file": "fwd.cubin",
-                                         "launch": launch},), build_seconds=1.0)
-    assert Toolchain.model_validate(manifest.stamped(builder).toolchain) == builder
-    with pytest.raises(ValueError, match="is not the manifest's"):
-        manifest.stamped(_runtime(builder))
+
+@pytest.mark.parametrize("other,words", [
+    ("tilelang content", "built with tilelang {v} of other content"),
+    ("tilelang version", "built with tilelang 0.1.13"),
+    ("no tilelang", "built without tilelang"),
+])
+def test_other_tilelang_without_nvcc_is_refused(cache_root, backend, builder, no_nvcc, loads, caplog, other,
+                                                words):
+    tl = builder.tilelang
+    theirs = {
+        "tilelang content": _other_tilelang(builder),
+        "tilelang version": builder.model_copy(update={"tilelang": tl.model_copy(update={"version": "0.1.13"})}),
+        "no tilelang": builder.model_copy(update={"tilelang": None}),
+    }[other]
+    store = ArtifactStore(cache_root)
+    entry = _publish(store, _manifest(backend, theirs))
+    with caplog.at_level(logging.INFO, logger="dsa_aot"):
+        assert _loader(no_nvcc).try_load(SPEC, 0) is None
+    assert f"not serving {entry.key}: {words.format(v=tl.version)}, tilelang {tl.version} is installed here" \
+        in caplog.text
+    assert loads == []
+
+
+def test_unidentifiable_tilelang_without_nvcc_is_refused(cache_root, backend, builder, no_nvcc, loads, caplog):
+    """An installed TileLang whose content cannot be read (an editable install) vouches for nothing."""
+    store = ArtifactStore(cache_root)
+    entry = _publish(store, _manifest(backend, builder))
+    weak = no_nvcc.model_copy(update={"complete": False, "incomplete_reasons": ("tilelang: editable install",)})
+    with caplog.at_level(logging.INFO, logger="dsa_aot"):
+        assert _loader(weak).try_load(SPEC, 0) is None
+    assert f"not serving {entry.key}: tilelang installed here cannot be identified" in caplog.text
+    assert loads == []
