@@ -85,7 +85,7 @@ class CuteFwd(FwdKernel):
 
 #: A loaded backward stage: a cubin (pointer/scalar arguments by name) or an exported CuTe
 #: DSL kernel (tensors by name, stream as keyword).
-BwdStage = CubinKernel | CuteDslKernel
+BwdStage = "CubinKernel | CuteDslKernel"
 
 
 class StagedBwd(BwdKernel):
@@ -97,6 +97,8 @@ class StagedBwd(BwdKernel):
     """
 
     def __init__(self, pre: BwdStage, main: BwdStage, post: BwdStage, spec: KernelSpec) -> None:
+        from dsa_aot.backends.tilelang.launch import CubinKernel  # ctypes only; no compiler
+
         self.pre, self.main, self.post = pre, main, post
         self.spec = spec
         self._stages = [(k, None if isinstance(k, CubinKernel) else (k.tensor_names, k.scalar_names))
