@@ -1,9 +1,9 @@
 """Toolchain-upgrade compatibility, on the CPU, with real compiles and the real store.
 
-* Isolation: an artifact built under toolchain A (this environment) is invisible under a
+* Isolation: an artifact built under toolchain A (this environment) is not served under a
   toolchain B that differs in ONE component (kernel sources, nvcc, tilelang / tvm-ffi /
-  cutlass-dsl), visible again under A, and reclaimed by ``dsa-aot gc`` under B. Each switch
-  runs real processes (``dsa-aot status`` / ``gc`` / the loader's own store lookup).
+  cutlass-dsl venv): ``dsa-aot status`` says "stale" there; it is served again under A, and
+  reclaimed by ``dsa-aot gc`` under B. Each switch runs real processes of the CLI.
 * Feature gating: a toolkit whose nvcc rejects sm_100a makes ``dsa-aot prebuild`` report the
   sm_100a variant "skipped-by-feature" (not "failed") and the loader fall back for it.
 * ``tools/compat.py`` (marker ``compat``): the matrix's CI slice, two toolchains in their own
@@ -26,7 +26,9 @@ from pathlib import Path
 import pytest
 
 from dsa_aot.cache.store import ArtifactStore
-from dsa_aot.specs.toolchain import _TILELANG_PATH_VARS, Distribution, Toolchain, resolve_nvcc
+from dsa_aot.settings import TILELANG_PATH_VARS
+from dsa_aot.specs.toolchain import Distribution, Toolchain
+from dsa_aot.toolkit import resolve_nvcc
 
 REPO = Path(__file__).resolve().parents[1]
 COMPAT_TOOL = REPO / "tools" / "compat.py"
@@ -64,35 +66,28 @@ def run(argv: list[str], env: dict[str, str], python: str = sys.executable, chec
     return proc
 
 
-#: What the loader of a process sees: its fingerprint and the roots whose lookup finds SPEC.
-_LOADER_VIEW = textwrap.dedent("""
-    import json, sys
-    import dsa_aot
-    from dsa_aot.loader import get_loader
-    spec_id, arch = sys.argv[1], sys.argv[2]
-    loader = get_loader()
-    fp = loader.fingerprint()
-    hits = [str(s.root) for s in loader.stores() if s.lookup(fp, arch, spec_id) is not None]
-    print(json.dumps({"fingerprint": fp, "complete": loader.toolchain().complete, "hits": hits,
-                      "package": dsa_aot.__file__}))
-""")
-
-
 class Side:
     """One toolchain as processes see it: an interpreter and its environment variables."""
 
     def __init__(self, name: str, env: dict[str, str], python: str = sys.executable):
         self.name, self.env, self.python = name, env, python
 
-    def view(self, spec_id: str = SPEC, arch: str = ARCH) -> dict:
-        out = run(["-c", _LOADER_VIEW, spec_id, arch], self.env, self.python).stdout
-        return json.loads(out.strip().splitlines()[-1])
-
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return run(["-m", "dsa_aot.cli", *args], self.env, self.python, check=check)
 
-    def status(self) -> str:
-        return json.loads(self.cli("status", "--json", "--only", SPEC).stdout)[SPEC]
+    def status(self, spec_id: str = SPEC) -> str:
+        return json.loads(self.cli("status", "--json", "--only", spec_id).stdout)[spec_id]
+
+    def doctor(self) -> dict:
+        return json.loads(self.cli("doctor").stdout)
+
+    def package(self) -> str:
+        return run(["-c", "import dsa_aot; print(dsa_aot.__file__)"], self.env, self.python).stdout.strip()
+
+
+def stored_keys(root: Path, spec_id: str = SPEC, arch: str = ARCH) -> list[str]:
+    """The key directories of ``root`` that hold an entry of ``spec_id`` (``<key>/<arch>/<id>``)."""
+    return sorted(p.parent.parent.parent.name for p in root.glob(f"*/{arch}/{spec_id}/meta.json"))
 
 
 @pytest.fixture(scope="module")
@@ -139,15 +134,14 @@ def _nvcc_wrapper(path: Path, release: str, reject: str | None = None) -> Path:
     return path
 
 
-def _side_b(component: str, root: Path, tmp_path: Path) -> tuple[Side, Toolchain | None]:
-    """Toolchain B differing from A in ``component``; plus the in-process model of B."""
+def _side_b(component: str, root: Path, tmp_path: Path) -> Side:
+    """Toolchain B, differing from A (this environment) in ``component`` only."""
     if component == "kernel sources":
         path = _edited_package(tmp_path / "b-package")
-        model = Toolchain.collect(kernels_dir=path / "dsa_aot" / "kernels")
-        return Side("B", base_env(root, PYTHONPATH=str(path))), model
+        return Side("B", base_env(root, PYTHONPATH=str(path)))
     if component == "nvcc":
         wrapper = _nvcc_wrapper(tmp_path / "b-nvcc" / "nvcc", "12.9.41")
-        return Side("B", base_env(root, DSA_AOT_NVCC=str(wrapper))), Toolchain.collect(nvcc=wrapper)
+        return Side("B", base_env(root, DSA_AOT_NVCC=str(wrapper)))
     if component == "tilelang+tvm-ffi+cutlass-dsl venv":
         matrix = compat.load_matrix()
         older = [t for t in matrix.slices["ci"].toolchains if t != _running_row(matrix)]
@@ -157,7 +151,7 @@ def _side_b(component: str, root: Path, tmp_path: Path) -> tuple[Side, Toolchain
             pytest.skip(f"no older toolchain environment under {ENVS_DIR} (run `make compat` or the compat test)")
         env = compat.load_env(env_dir)
         environ = compat.toolchain_environ(env, compat.project_pythonpath(tmp_path / "b-path"), root)
-        return Side("B", environ, str(env.python)), None
+        return Side("B", environ, str(env.python))
     raise AssertionError(component)
 
 
@@ -229,31 +223,37 @@ def test_compat_ci_slice_two_toolchains(tmp_path):
 @pytest.mark.parametrize("component", ["kernel sources", "nvcc", "tilelang+tvm-ffi+cutlass-dsl venv"])
 def test_switching_one_component_isolates_artifacts(component, root_a, tmp_path):
     a = Side("A", base_env(root_a))
-    b, model = _side_b(component, root_a, tmp_path)
-    view_a = a.view()
-    fp_a = view_a["fingerprint"]
-    assert view_a["complete"] and view_a["hits"] == [str(root_a)], view_a
-    assert (root_a / fp_a / ARCH / SPEC / "meta.json").is_file()
+    b = _side_b(component, root_a, tmp_path)
+    key_a = stored_keys(root_a)
+    assert len(key_a) == 1, key_a
+    doctor_a = a.doctor()
+    assert doctor_a["toolchain"]["complete"], doctor_a["toolchain"]
     assert a.status() == "cached"
 
-    view_b = b.view()  # the loader of a B process: its own key, and no store yields A's entry
-    assert view_b["complete"], view_b
-    assert view_b["fingerprint"] != fp_a
-    assert view_b["hits"] == []
-    assert b.status() == "missing"
-    if model is not None:  # the in-process description of B is the key B's processes use
-        assert model.complete, model.incomplete_reasons
-        assert model.fingerprint == view_b["fingerprint"]
-    if component == "kernel sources":
-        assert view_b["package"].startswith(str(tmp_path)), view_b  # really the edited copy
+    doctor_b = b.doctor()  # B: a complete key of its own, and A's entry is not served
+    assert doctor_b["toolchain"]["complete"], doctor_b["toolchain"]
+    assert b.status() == "stale"
+    if component == "kernel sources":  # same compilers; the spec's sources differ
+        assert b.package().startswith(str(tmp_path)), b.package()  # really the edited copy
+    else:
+        assert doctor_b["fingerprint"] != doctor_a["fingerprint"]
 
-    assert a.view()["hits"] == [str(root_a)]  # switching back finds A's entry again
-    assert a.status() == "cached"
+    assert a.status() == "cached"  # switching back serves A's entry again
+    assert stored_keys(root_a) == key_a
 
-    out = b.cli("gc").stdout  # B's gc reclaims A's tree: it is another toolchain
-    assert "removed 1 other toolchains" in out, out
-    assert not (root_a / fp_a).exists()
+    b.cli("gc")  # B's gc reclaims A's entry: B would never serve it
+    assert stored_keys(root_a) == []
+    assert not (root_a / key_a[0]).exists()
     assert a.status() == "missing"
+
+
+def _build_key(toolchain: Toolchain, spec_id: str = SPEC) -> str:
+    from dsa_aot.backends import get as get_backend
+    from dsa_aot.identity import build_identity
+    from dsa_aot.specs.catalog import load_catalog
+
+    spec = next(s for s in load_catalog().specs() if s.id == spec_id)
+    return build_identity(get_backend(spec.backend), spec, toolchain).key()
 
 
 @needs_nvcc
@@ -261,22 +261,31 @@ def test_switching_one_component_isolates_artifacts(component, root_a, tmp_path)
 def test_other_compiler_release_misses_and_is_collected(package, root_a):
     """B = A with one compiler distribution of another release (a Toolchain copy)."""
     a = Toolchain.current()
+    key_a = _build_key(a)
     store = ArtifactStore(root_a)
-    assert store.lookup(a.fingerprint, ARCH, SPEC) is not None
+    assert stored_keys(root_a) == [key_a]  # the key a prebuild process filed SPEC under
+    assert store.lookup(key_a, ARCH, SPEC) is not None
     if package == "cutlass_dsl":
-        other = tuple(d.model_copy(update={"version": "4.5.3"}) for d in a.cutlass_dsl) or (
-            Distribution(name="nvidia-cutlass-dsl", version="4.5.3"),)
+        other = tuple(d.model_copy(update={"version": "4.5.3", "content_sha256": "0" * 64}) for d in a.cutlass_dsl) \
+            or (Distribution(name="nvidia-cutlass-dsl", version="4.5.3"),)
     else:
         old = getattr(a, package)
         assert old is not None, f"{package} is not installed here"
         other = old.model_copy(update={"version": "0.0.1", "content_sha256": "0" * 64})
     b = a.model_copy(update={package: other})
     assert b.fingerprint != a.fingerprint
-    assert store.lookup(b.fingerprint, ARCH, SPEC) is None
-    assert store.lookup(a.fingerprint, ARCH, SPEC) is not None  # back to A: a hit
-    report = store.gc(b.fingerprint)  # what `dsa-aot gc` runs under B
-    assert report.removed_fingerprints == [a.fingerprint]
-    assert store.lookup(a.fingerprint, ARCH, SPEC) is None
+    key_b = _build_key(b)
+    if package == "cutlass_dsl":  # not a TileLang build input: its artifacts stay valid
+        assert key_b == key_a
+        cute = "fwd-sm_90a-d512-h16-compact-cutedsl"
+        assert _build_key(b, cute) != _build_key(a, cute)
+        return
+    assert key_b != key_a
+    assert store.lookup(key_b, ARCH, SPEC) is None
+    assert store.lookup(key_a, ARCH, SPEC) is not None  # back to A: a hit
+    report = store.gc({key_b})  # keep only what B serves
+    assert report.removed_fingerprints == [key_a]
+    assert store.lookup(key_a, ARCH, SPEC) is None
 
 
 # --- a missing feature: skipped, not failed, and the loader falls back ---------------------------
@@ -303,7 +312,7 @@ def toolkit_without_sm100(tmp_path_factory) -> Path:
 def prebuilt_without_sm100(toolkit_without_sm100, tmp_path_factory):
     root = tmp_path_factory.mktemp("no-sm100") / "cache"
     env = base_env(root, CUDA_HOME=str(toolkit_without_sm100))
-    for var in (*_TILELANG_PATH_VARS, "CUDA_PATH"):
+    for var in (*TILELANG_PATH_VARS, "CUDA_PATH"):
         env.pop(var, None)
     proc = run(["-m", "dsa_aot.cli", "prebuild", "-q", "--json", "--only", SPEC, "--only", SPEC_100], env,
                check=False)
@@ -327,10 +336,12 @@ def test_missing_nvcc_arch_is_skipped_by_feature_not_failed(prebuilt_without_sm1
     cells = compat.cells_from_prebuild(parsed, [SPEC, SPEC_100], root / "log")
     assert cells[SPEC] == compat.Cell(status="built")
     assert cells[SPEC_100].status == "skipped-by-feature" and "sm_100a" in cells[SPEC_100].detail
-    features = json.loads((root / fp / "features.json").read_text())
-    assert features["nvcc_archs"] == {"sm_90a": True, "sm_100a": False}
-    assert features["nvcc_version"] == "12.6.85"
-    assert ArtifactStore(root).lookup(fp, "sm_90a", SPEC) is not None
+    doctor = json.loads(run(["-m", "dsa_aot.cli", "doctor", "--probes"], env).stdout)
+    assert doctor["fingerprint"] == fp
+    assert doctor["features"]["nvcc_archs"] == {"sm_90a": True, "sm_100a": False}
+    assert doctor["features"]["nvcc_version"] == "12.6.85"
+    states = json.loads(run(["-m", "dsa_aot.cli", "status", "--json", "--only", SPEC, "--only", SPEC_100], env).stdout)
+    assert states == {SPEC: "cached", SPEC_100: "missing"}
 
     again = run(["-m", "dsa_aot.cli", "prebuild", "-q", "--json", "--only", SPEC], env)  # now cached
     assert [(r["id"], r["status"]) for r in json.loads(again.stdout)["specs"]] == [(SPEC, "cached")]

@@ -25,6 +25,7 @@ and from the command line's JSON.
 from __future__ import annotations
 
 import argparse
+import ast
 import atexit
 import concurrent.futures
 import datetime as _dt
@@ -261,11 +262,25 @@ def _write_atomic(path: Path, data: bytes) -> None:
 # --- this checkout on an interpreter's PYTHONPATH -----------------------------------------------
 
 def _package_dirs(repo: Path = REPO) -> dict[str, Path]:
-    """Package -> directory, from ``[tool.setuptools] package-dir`` of the checkout's pyproject."""
+    """Package -> directory of the checkout: ``[tool.setuptools] package-dir`` of its
+    ``pyproject.toml``, else the literal ``{"dsa_aot": "aot", ...}`` mapping its ``setup.py``
+    passes to setuptools (read, never run)."""
     data = tomllib.loads((repo / "pyproject.toml").read_text())
     mapping = data.get("tool", {}).get("setuptools", {}).get("package-dir", {})
+    setup_py = repo / "setup.py"
+    if "dsa_aot" not in mapping and setup_py.is_file():
+        for node in ast.walk(ast.parse(setup_py.read_text(), str(setup_py))):
+            if isinstance(node, ast.Dict):
+                try:
+                    value = ast.literal_eval(node)
+                except (ValueError, TypeError):
+                    continue
+                if isinstance(value.get("dsa_aot"), str):
+                    mapping = value
+                    break
     if "dsa_aot" not in mapping:
-        raise CompatError(f"{repo / 'pyproject.toml'} maps no dsa_aot package directory")
+        raise CompatError(f"cannot tell where the dsa_aot package lives in {repo} "
+                          "(no package-dir in pyproject.toml or setup.py)")
     return {name: (repo / rel).resolve() for name, rel in mapping.items()}
 
 
@@ -273,7 +288,7 @@ def project_pythonpath(dest: Path, repo: Path = REPO) -> Path:
     """A directory that makes ``import dsa_aot`` load this checkout, for another interpreter.
 
     The wheel maps ``aot/``, ``kernels/``, ``specs/`` and ``cache/`` to one package; here that
-    mapping (read from ``pyproject.toml``) is rebuilt from symlinks (``dest/dsa_aot/*``), so a
+    mapping (see :func:`_package_dirs`) is rebuilt from symlinks (``dest/dsa_aot/*``), so a
     cached environment never bakes in the path of the checkout that built it.
     """
     dest = Path(dest)
