@@ -470,8 +470,11 @@ def memo_put_many(kind: str, facts: dict[str, Any], keep: int = _MEMO_MAX) -> No
         mkdirs(path.parent)
         tmp.write_text(json.dumps(data, indent=0))
         os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
+    except OSError:  # best effort: a read-only or full cache dir only loses the memo
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # e.g. EROFS: nothing was written
+            pass
     _memo_cache = (path, data)
 
 
