@@ -47,7 +47,8 @@ def _fingerprint() -> str:
 def _catalog_specs(args) -> list:
     from dsa_aot.specs.catalog import load_catalog, select
 
-    return select(load_catalog(args.catalog).specs(), archs=_archs(args.arch), only=getattr(args, "only", None))
+    return select(load_catalog(getattr(args, "catalog", None)).specs(), archs=_archs(getattr(args, "arch", None)),
+                  only=getattr(args, "only", None))
 
 
 def _served_keys(store, specs) -> set[str]:
