@@ -14,6 +14,7 @@ a callable kernel; never imports a compiler). Locking, keys, publishing and fall
 from __future__ import annotations
 
 import importlib.util
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -145,13 +146,26 @@ def nvcc_reason(spec: KernelSpec, features: Any | None) -> str | None:
 
 
 def first_error_line(exc: BaseException) -> str:
-    """The most useful single line of a compiler exception."""
+    """The most useful single line of a compiler exception.
+
+    The exception line of a traceback it carries (``TypeError: ...``, the last one: the cause),
+    else a compiler diagnostic (``...: error: ...``), else any line naming an error, else the last.
+    """
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    raised = [ln for ln in lines if _EXCEPTION_LINE.match(ln)]
+    if raised:
+        return raised[-1][:400]
+    for ln in lines:
+        if "error:" in ln.lower():
+            return ln[:400]
     for ln in lines:
         low = ln.lower()
-        if "error" in low and not low.startswith("traceback"):
+        if "error" in low and not low.startswith(("traceback", "raise ")):
             return ln[:400]
     return (lines[-1] if lines else type(exc).__name__)[:400]
+
+
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit|Interrupt): ")
 
 
 def check_params(spec: KernelSpec, stage: str, names: set[str]) -> None:
