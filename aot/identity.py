@@ -37,13 +37,22 @@ def incomplete_reasons(backend: KernelBackend, toolchain: Toolchain) -> list[str
     return reasons
 
 
-def can_key_builds(backend: KernelBackend, toolchain: Toolchain) -> str | None:
-    """Why this process cannot compute the spec's build key (None: it can, and may build)."""
+def missing_build_tools(backend: KernelBackend, toolchain: Toolchain) -> str | None:
+    """Why this process cannot compile for ``backend`` at all (compiler or toolkit absent)."""
     missing = backend.missing_compiler()
     if missing:
         return missing
     if backend.uses_cuda_toolkit and toolchain.nvcc_version is None:
         return "no CUDA toolkit (nvcc) found"
+    return None
+
+
+def can_key_builds(backend: KernelBackend, toolchain: Toolchain) -> str | None:
+    """Why this process cannot compute the spec's build key (None: it can, and may build and
+    publish). A process that has the tools but not a readable key may still compile in memory."""
+    missing = missing_build_tools(backend, toolchain)
+    if missing:
+        return missing
     reasons = incomplete_reasons(backend, toolchain)
     return "; ".join(reasons) if reasons else None
 
