@@ -1,7 +1,13 @@
 """The public API: sparse MLA forward and backward, and a differentiable op.
 
 Each call validates its inputs, then looks its kernel up in a per-process dict keyed by
-(op, device, D_qk, heads, layout); only the first call of a key goes to the loader.
+(op, device, D_qk, heads, layout); only the first call of a key goes to the loader, which is
+imported then (``import dsa_aot`` imports it ahead when torch is loaded, see the package).
+
+The ops ``torch.ops.dsa_aot.sparse_mla_fwd`` / ``sparse_mla_bwd`` are defined here with
+``torch.library.Library``: a schema, one kernel for every device, a shape-only ``Meta`` kernel
+(what fake tensors under ``torch.compile`` run) and an autograd formula. Unlike
+``torch.library.custom_op`` this reads no source code and scans no module list at import.
 """
 
 from __future__ import annotations
@@ -11,8 +17,6 @@ import threading
 import torch
 
 from dsa_aot import settings as _settings
-from dsa_aot.backends import ReferenceBackend
-from dsa_aot.loader import UnsupportedDeviceError, arch_of_capability, get_loader
 from dsa_aot.validate import check_bwd, check_fwd
 
 _KERNELS: dict[tuple, object] = {}
@@ -36,8 +40,12 @@ def _kernel(op: str, device: torch.device, d_qk: int, heads: int, layout: str):
         kernel = _KERNELS.get(key)
         if kernel is None:
             if device.type != "cuda":
+                from dsa_aot.backends import ReferenceBackend
+
                 kernel = ReferenceBackend.kernel(op)
             else:
+                from dsa_aot.loader import UnsupportedDeviceError, arch_of_capability, get_loader
+
                 index = device.index if device.index is not None else torch.cuda.current_device()
                 major, minor = torch.cuda.get_device_capability(index)
                 arch = arch_of_capability(major, minor)
@@ -100,24 +108,24 @@ def sparse_mla_bwd(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: t
     return dq, dkv, (d_sink if attn_sink is not None else None)
 
 
-# -- torch.library custom ops (torch.compile / CUDA graphs) and autograd ----------------------
-@torch.library.custom_op("dsa_aot::sparse_mla_fwd", mutates_args=())
-def _fwd_op(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, topk_length: torch.Tensor | None,
-            attn_sink: torch.Tensor | None, softmax_scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+# -- torch.library ops (torch.compile / CUDA graphs) and autograd ------------------------------
+_FWD_SCHEMA = ("sparse_mla_fwd(Tensor q, Tensor kv, Tensor topk_idxs, Tensor? topk_length, Tensor? attn_sink, "
+               "float? softmax_scale) -> (Tensor, Tensor)")
+_BWD_SCHEMA = ("sparse_mla_bwd(Tensor q, Tensor kv, Tensor out, Tensor dout, Tensor lse, Tensor topk_idxs, "
+               "Tensor? topk_length, Tensor? attn_sink, float? softmax_scale) -> (Tensor, Tensor, Tensor)")
+
+
+def _fwd_impl(q, kv, topk_idxs, topk_length, attn_sink, softmax_scale):
     return sparse_mla_fwd(q, kv, topk_idxs, topk_length=topk_length, attn_sink=attn_sink,
                           softmax_scale=softmax_scale)
 
 
-@_fwd_op.register_fake
-def _(q, kv, topk_idxs, topk_length, attn_sink, softmax_scale):
+def _fwd_meta(q, kv, topk_idxs, topk_length, attn_sink, softmax_scale):
     s_q, heads, _ = q.shape
     return q.new_empty((s_q, heads, 512)), q.new_empty((s_q, heads), dtype=torch.float32)
 
 
-@torch.library.custom_op("dsa_aot::sparse_mla_bwd", mutates_args=())
-def _bwd_op(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
-            topk_idxs: torch.Tensor, topk_length: torch.Tensor | None, attn_sink: torch.Tensor | None,
-            softmax_scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _bwd_impl(q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, softmax_scale):
     dq, dkv, d_sink = sparse_mla_bwd(q, kv, out, dout, lse, topk_idxs, topk_length=topk_length,
                                      attn_sink=attn_sink, softmax_scale=softmax_scale)
     if d_sink is None:
@@ -125,8 +133,7 @@ def _bwd_op(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Te
     return dq, dkv, d_sink
 
 
-@_bwd_op.register_fake
-def _(q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, softmax_scale):
+def _bwd_meta(q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, softmax_scale):
     return (torch.empty_like(q), torch.empty_like(kv),
             q.new_empty((q.shape[1],), dtype=torch.float32))
 
@@ -146,7 +153,26 @@ def _backward(ctx, dout, dlse):
     return dq, dkv, None, None, (d_sink if attn_sink is not None else None), None
 
 
-torch.library.register_autograd("dsa_aot::sparse_mla_fwd", _backward, setup_context=_setup_context)
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError("dsa_aot.sparse_mla has no double backward (sparse_mla_bwd is not differentiable)")
+
+
+_LIB = torch.library.Library("dsa_aot", "FRAGMENT")
+
+
+def _define(schema: str, impl, meta) -> torch._ops.OpOverload:
+    """Define ``dsa_aot::<name>``: one kernel for every device, ``meta`` for shapes only."""
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    _LIB.impl(name, meta, "Meta")
+    return getattr(torch.ops.dsa_aot, name).default
+
+
+_fwd_op = _define(_FWD_SCHEMA, _fwd_impl, _fwd_meta)
+_bwd_op = _define(_BWD_SCHEMA, _bwd_impl, _bwd_meta)
+torch.library.register_autograd("dsa_aot::sparse_mla_fwd", _backward, setup_context=_setup_context, lib=_LIB)
+torch.library.register_autograd("dsa_aot::sparse_mla_bwd", _no_double_backward, lib=_LIB)
 
 
 def sparse_mla(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, *,

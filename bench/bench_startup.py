@@ -1,7 +1,14 @@
 """Cold-start and dispatch cost of a prebuilt hit, beside the JIT compile time it replaces.
 
     DSA_AOT_PREBUILT_DIR=<prebuilt cache> DSA_AOT_REQUIRE_PREBUILT=1 python bench/bench_startup.py
+    python bench/bench_startup.py --import-only --wheel bench/results/import_cpu.json   # no GPU
 
+0. ``--import-only`` (any machine): ``import dsa_aot`` after ``import torch`` in fresh
+   processes (median, max; wall and CPU time, the latter robust to a busy machine), what it
+   imports, and where the CPU time goes (pydantic itself, the API module ``dsa_aot.ops``, the
+   loader imported ahead for the first call); then the first call's input check (its part
+   before the loader). ``--wheel`` measures the checkout's wheel installed by pip (bytecode
+   compiled) instead of the installed (e.g. editable) package;
 1. fresh process: time from the first ``sparse_mla_fwd`` call to its result (a prebuilt hit:
    fingerprint, lookup, sha256 check, module load, launch), and which compiler modules got
    imported (none may be);
@@ -13,14 +20,69 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+COMPILERS = ("tilelang", "tvm", "tvm_ffi", "cutlass")
+
+IMPORT_CHILD = textwrap.dedent("""
+    import json, sys, time
+    T, C = time.perf_counter, time.process_time
+    t0 = T()
+    import torch
+    t1, c1 = T(), C()
+    before = set(sys.modules)
+    import dsa_aot
+    t2, c2 = T(), C()
+    new = sorted(set(sys.modules) - before)
+    from dsa_aot.validate import check_fwd
+    q = torch.randn(4, 16, 576).bfloat16()
+    kv = torch.randn(8, 576).bfloat16()
+    idx = torch.randint(0, 8, (4, 4), dtype=torch.int32)
+    before = set(sys.modules)
+    t3 = T()
+    check_fwd(q, kv, idx, None, None, None)
+    t4 = T()
+    by_check = sorted(set(sys.modules) - before)
+    print(json.dumps({
+        "import_torch_ms": (t1 - t0) * 1e3, "import_dsa_aot_ms": (t2 - t1) * 1e3,
+        "import_dsa_aot_cpu_ms": (c2 - c1) * 1e3,
+        "first_check_fwd_ms": (t4 - t3) * 1e3,
+        "modules_imported": len(new), "dsa_aot_modules": [m for m in new if m.startswith("dsa_aot")],
+        "pydantic_imported": "pydantic" in new,
+        "compiler_modules_imported": [m for m in new if m.split(".")[0] in %r],
+        "modules_imported_by_first_check": by_check,
+        "torch_ops_defined": all(hasattr(torch.ops.dsa_aot, n) for n in ("sparse_mla_fwd", "sparse_mla_bwd")),
+        "api_bound": all(n in vars(dsa_aot) for n in dsa_aot.__all__)}))
+""" % (COMPILERS,))
+
+# Where ``import dsa_aot``'s time goes: the package is imported before torch (so nothing is
+# bound), then each layer in dependency order, each timed (CPU time) on top of the previous ones.
+IMPORT_BREAKDOWN = textwrap.dedent("""
+    import json, time
+    import dsa_aot
+    import torch
+    T = time.process_time  # CPU time of this process: what a busy machine's other work leaves alone
+    marks = [("start", T())]
+    from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+    marks.append(("pydantic (its own import)", T()))
+    import dsa_aot.ops
+    marks.append(("dsa_aot.ops (API, validation, spec models, torch.library ops)", T()))
+    import dsa_aot.loader
+    marks.append(("dsa_aot.loader and what it imports", T()))
+    print(json.dumps({name: (t - marks[i][1]) * 1e3 for i, (name, t) in enumerate(marks[1:])}))
+""")
 
 CHILD = textwrap.dedent("""
     import json, sys, time
@@ -132,6 +194,86 @@ def jit_seconds() -> float | None:
 
 
 FRESH_PROCESSES = 10
+IMPORT_PROCESSES = 20
+
+
+def _child(code: str, env: dict[str, str]) -> dict:
+    proc = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    v = sorted(values)
+    return {"median": round(statistics.median(v), 2), "min": round(v[0], 2), "max": round(v[-1], 2)}
+
+
+#: Top-level entries of a checkout that building the wheel does not read (kept out of the copy).
+_NOT_BUILT = {"bench", "build", "dist", "docs", "tests"}
+
+
+def wheel_install(source: Path, dest: Path) -> Path:
+    """Build ``source``'s wheel and install it under ``dest`` with pip (bytecode compiled, as
+    a wheel install is); returns the folder to put on ``PYTHONPATH``. The build runs on a copy,
+    so the checkout gets no build folder."""
+    tree = dest / "src"
+    tree.mkdir(parents=True)
+    for entry in source.iterdir():
+        if entry.name.startswith(".") or entry.name in _NOT_BUILT or entry.name.endswith(".egg-info"):
+            continue
+        if entry.is_dir():
+            shutil.copytree(entry, tree / entry.name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(entry, tree / entry.name)
+    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(dest / "wheel"), str(tree)],
+                   check=True)
+    site = dest / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(site),
+                    *map(str, (dest / "wheel").glob("*.whl"))], check=True)
+    return site
+
+
+def _git_state(source: Path) -> dict[str, object] | None:
+    """The checkout's commit and how many tracked files differ from it (None: not a git checkout)."""
+    try:
+        commit = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], check=True,
+                                capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(source), "status", "--porcelain", "--untracked-files=no"],
+                               check=True, capture_output=True, text=True).stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return {"commit": commit, "modified_tracked_files": len(dirty)}
+
+
+def import_only(args: argparse.Namespace) -> dict:
+    """``import dsa_aot`` after ``import torch``, in fresh processes (section 0 of the docstring)."""
+    env = dict(os.environ)
+    install = "as installed"
+    load_start = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="dsa-aot-wheel-") as tmp:
+        if args.wheel:
+            root = wheel_install(args.source, Path(tmp))
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+            install = f"wheel of {args.source} installed by pip --target (bytecode compiled), first on PYTHONPATH"
+        runs = [_child(IMPORT_CHILD, env) for _ in range(args.processes)]
+        breakdown = [_child(IMPORT_BREAKDOWN, env) for _ in range(args.processes)]
+    last = runs[-1]
+    return {
+        "command": "python bench/bench_startup.py " + " ".join(sys.argv[1:]),
+        "python": platform.python_version(), "date": datetime.date.today().isoformat(),
+        "host": {"cpus": os.cpu_count(), "load_avg_1m_start": round(load_start, 2),
+                 "load_avg_1m_end": round(os.getloadavg()[0], 2)},
+        "torch": _child("import json, torch; print(json.dumps(torch.__version__))", env),
+        "install": install, "source": _git_state(args.source), "processes": args.processes,
+        "import_dsa_aot_ms": _stats([r["import_dsa_aot_ms"] for r in runs]),
+        "import_dsa_aot_cpu_ms": _stats([r["import_dsa_aot_cpu_ms"] for r in runs]),
+        "import_torch_ms": _stats([r["import_torch_ms"] for r in runs]),
+        "import_breakdown_cpu_ms": {k: _stats([b[k] for b in breakdown]) for k in breakdown[0]},
+        "first_check_fwd_ms": _stats([r["first_check_fwd_ms"] for r in runs]),
+        **{k: last[k] for k in ("modules_imported", "pydantic_imported", "compiler_modules_imported",
+                                "modules_imported_by_first_check", "torch_ops_defined", "api_bound",
+                                "dsa_aot_modules")},
+    }
 
 
 def main() -> int:
@@ -139,11 +281,21 @@ def main() -> int:
     from common import environment
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out", nargs="?", type=Path, default=Path("bench/results/startup_h200.json"))
+    ap.add_argument("out", nargs="?", type=Path, default=None,
+                    help="result file (default: bench/results/startup_h200.json, with --import-only "
+                    "bench/results/import_cpu.json)")
     ap.add_argument("--first-call-only", action="store_true",
                     help="only the fresh-process first calls (e.g. with DSA_AOT_BACKENDS=cutedsl)")
+    ap.add_argument("--import-only", action="store_true",
+                    help="only the cost of `import dsa_aot` after torch (no GPU needed)")
+    ap.add_argument("--wheel", action="store_true",
+                    help="with --import-only: measure --source's wheel installed by pip, not the installed package")
+    ap.add_argument("--source", type=Path, default=REPO, help="checkout whose wheel --wheel builds (default: this one)")
+    ap.add_argument("--processes", type=int, default=IMPORT_PROCESSES, help="fresh processes for --import-only")
     args = ap.parse_args()
-    out = args.out
+    out = args.out or Path("bench/results", "import_cpu.json" if args.import_only else "startup_h200.json")
+    if args.import_only:
+        return _write(out, import_only(args))
     runs = [json.loads(subprocess.run([sys.executable, "-c", CHILD], check=True, capture_output=True,
                                       text=True, env=os.environ).stdout.strip().splitlines()[-1])
             for _ in range(FRESH_PROCESSES)]
