@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from dsa_aot import settings
 from dsa_aot.backends.cutedsl.records import (
-    DSL_RUNTIME_LIB, FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES, RECORD_FILE, WORKER_MODULE, _DSL_STATIC_SHIMS,
+    BWD_MAIN_DEFAULT_IMPL, DSL_RUNTIME_LIB, FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES, RECORD_FILE, WORKER_MODULE, _DSL_STATIC_SHIMS,
     Arch, CuteBuildError, CuteExportRecord, CuteKernel, CuteSymbols, FwdImpl, FwdLayout, LinkMode,
     RuntimeLibRecord, ScalarArgRecord, StreamArgRecord, TensorArgRecord, sha256_file)
 from dsa_aot.toolkit import toolkit_root
@@ -119,7 +119,7 @@ class BuildRequest(BaseModel):
             return params
         if self.kernel == "bwd_main":
             return {"d_qk": self.d_qk, "heads": self.heads, "layout": self.layout,
-                    "impl": self.impl or "mma"}
+                    "impl": self.impl or BWD_MAIN_DEFAULT_IMPL[self.arch]}
         if self.kernel == "bwd_preprocess":
             return {"use_isfinite": self.use_isfinite}
         return {}
@@ -335,7 +335,7 @@ def _default_name(kernel: str, arch: str, link: str, use_isfinite: bool | None,
             name += f"_kv{fwd['kv_stages']}"
     if kernel == "bwd_main" and fwd is not None:
         name += f"_d{fwd['d_qk']}_h{fwd['heads']}_{fwd['layout']}"
-        if fwd["impl"] != "mma":
+        if fwd["impl"] != BWD_MAIN_DEFAULT_IMPL[arch]:
             name += f"_{fwd['impl']}"
     if kernel == "bwd_preprocess":  # the worker fills in what its probe decides when None
         name += "_{isfinite}" if use_isfinite is None else "_isfinite" if use_isfinite else "_infcmp"
@@ -439,7 +439,7 @@ def _finish(req: BuildRequest, job: dict[str, object], result: dict[str, object]
         use_isfinite=result["use_isfinite"], d_qk=req.d_qk, heads=req.heads, layout=req.layout,
         kv_stages=req.fwd_params["kv_stages"] if req.kernel == "fwd" else None,
         impl=(req.fwd_params["impl"] if req.kernel == "fwd"
-              else (req.impl or "mma") if req.kernel == "bwd_main" else None),
+              else req.compile_params["impl"] if req.kernel == "bwd_main" else None),
         dsl_version=str(reply["dsl_version"]),
         library_sha256=sha256_file(lib),
         build_seconds=round(float(result["compile_seconds"]) + float(result["export_seconds"])

@@ -18,6 +18,9 @@ FwdLayout = Literal["compact", "noncompact"]
 FwdImpl = Literal["mma", "wgmma", "wgmma_pipe", "wgmma_ws"]
 #: The forward's MMA flavour per arch when a request names none (wgmma needs sm_90a).
 FWD_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma_ws", "sm_100a": "mma"}
+#: The backward main stage's MMA flavour per arch when a request names none: wgmma on sm_90a
+#: (faster than mma on every benchmark row on the H200, bench/results/h200.md).
+BWD_MAIN_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma", "sm_100a": "mma"}
 #: Gathered KV tiles in flight per flavour when a request names none (measured on the H200:
 #: mma 241 vs 208 TFLOPS with one vs two, wgmma 376 vs 353 with two vs one).
 FWD_DEFAULT_KV_STAGES: dict[str, int] = {"mma": 1, "wgmma": 2, "wgmma_pipe": 2,
