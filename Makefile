@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e '.[build,test]'
+	$(BIN)/python -m pip install -q -e '.[build,test,remote,signing]'
 	touch $@
 
 prebuild: $(STAMP)

@@ -96,6 +96,26 @@ def _path(name: str, *fallbacks: str) -> Path | None:
     return None
 
 
+def _remote_url(name: str) -> str | None:
+    raw = (os.environ.get(name) or "").strip()
+    if not raw:
+        return None
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(raw)
+        parts.port  # noqa: B018  (raises ValueError for a bad port)
+    except ValueError as exc:
+        raise SettingsError(f"{name}={raw!r} is not a URL: {exc}") from None
+    if parts.scheme not in ("redis", "rediss", "unix") or (parts.scheme != "unix" and not parts.hostname):
+        raise SettingsError(f"{name}={raw!r}: use redis://host:port/db (or rediss://, unix://)")
+    return raw
+
+
+def _paths(name: str) -> tuple[Path, ...]:
+    return tuple(Path(p).expanduser() for p in os.environ.get(name, "").split(os.pathsep) if p)
+
+
 def _default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "dsa-aot"
@@ -136,6 +156,30 @@ class Settings:
     #: TileLang's path overrides that are set, as ``(variable, value)`` pairs (see
     #: :data:`TILELANG_PATH_VARS`); their contents are not hashed, so they make the key incomplete.
     tilelang_path_overrides: tuple[tuple[str, str], ...] = ()
+    #: The fleet's shared cache, a Redis server (``redis://host:port/db``); None = no remote
+    #: tier. ``DSA_AOT_REMOTE_URL``. Needs the ``redis`` package (``pip install dsa-aot[remote]``).
+    remote_url: str | None = None
+    #: Let the loader push its JIT results and take fleet compile leases (otherwise the remote
+    #: is read-only; ``dsa-aot push`` and ``prebuild --push`` write regardless).
+    #: ``DSA_AOT_REMOTE_WRITE`` (default 0).
+    remote_write: bool = False
+    #: Seconds to connect to the remote. ``DSA_AOT_REMOTE_CONNECT_TIMEOUT`` (default 0.1).
+    remote_connect_timeout_s: float = 0.1
+    #: Seconds any one read or write on the remote may block. ``DSA_AOT_REMOTE_TIMEOUT`` (0.5).
+    remote_timeout_s: float = 0.5
+    #: Seconds a pushed entry lives on the remote (every push refreshes it); 0 = no expiry.
+    #: ``DSA_AOT_REMOTE_TTL`` (default 14 days).
+    remote_ttl_s: float = 14 * 86400.0
+    #: Seconds a fleet compile lease lasts without renewal (its holder renews it every third of
+    #: that while compiling; a crashed holder's lease expires). ``DSA_AOT_REMOTE_LEASE`` (30).
+    remote_lease_s: float = 30.0
+    #: Ed25519 private key (PEM) that signs every entry this process publishes.
+    #: ``DSA_AOT_SIGNING_KEY``; create one with ``dsa-aot keygen``.
+    signing_key: Path | None = None
+    #: Ed25519 public keys (PEM files, or folders of ``*.pub``): when set, nothing is loaded or
+    #: imported whose signature does not verify under one of them. ``DSA_AOT_TRUSTED_KEYS``,
+    #: ``os.pathsep``-separated.
+    trusted_keys: tuple[Path, ...] = ()
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -156,6 +200,14 @@ class Settings:
             cc=os.environ.get("CC") or "cc",
             cute_dsl_runtime=_path("DSA_AOT_CUTE_DSL_RUNTIME"),
             tilelang_path_overrides=tuple((v, os.environ[v]) for v in TILELANG_PATH_VARS if os.environ.get(v)),
+            remote_url=_remote_url("DSA_AOT_REMOTE_URL"),
+            remote_write=_bool("DSA_AOT_REMOTE_WRITE", False),
+            remote_connect_timeout_s=_float("DSA_AOT_REMOTE_CONNECT_TIMEOUT", 0.1),
+            remote_timeout_s=_float("DSA_AOT_REMOTE_TIMEOUT", 0.5),
+            remote_ttl_s=_float("DSA_AOT_REMOTE_TTL", 14 * 86400.0),
+            remote_lease_s=_float("DSA_AOT_REMOTE_LEASE", 30.0),
+            signing_key=_path("DSA_AOT_SIGNING_KEY"),
+            trusted_keys=_paths("DSA_AOT_TRUSTED_KEYS"),
         )
 
 

@@ -54,9 +54,19 @@ class FileInfo(BaseModel):
     size: int
 
 
+class EntrySignature(BaseModel):
+    """An Ed25519 signature over the rest of ``meta.json`` (see :mod:`dsa_aot.cache.signing`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    algorithm: Literal["ed25519"] = "ed25519"
+    key_id: str
+    value: str  # base64 of the 64 signature bytes
+
+
 class EntryMeta(BaseModel):
     """``meta.json``: written last, read first. ``payload_sha256`` guards the payload (e.g. a
-    launch record) the way each file's sha256 guards its bytes."""
+    launch record) the way each file's sha256 guards its bytes; ``signature``, when present,
+    vouches for all the rest (so for every byte of the entry)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     format: Literal["dsa-aot.entry.v1"] = "dsa-aot.entry.v1"
@@ -67,6 +77,7 @@ class EntryMeta(BaseModel):
     created: float
     payload: dict[str, Any] = {}
     payload_sha256: str
+    signature: EntrySignature | None = None
 
     def payload_intact(self) -> bool:
         return payload_sha256(self.payload) == self.payload_sha256
@@ -312,10 +323,33 @@ class ArtifactStore:
         return FileLock(str(locks / name), timeout=self.lock_timeout_s)
 
     def publish(self, fingerprint: str, arch: str, spec_id: str, files: dict[str, bytes],
-                payload: dict[str, Any] | None = None) -> Entry:
-        """Atomically publish ``files`` as one entry; an entry already there wins and is returned."""
+                payload: dict[str, Any] | None = None, *, signer: Any = None) -> Entry:
+        """Atomically publish ``files`` as one entry; an entry already there wins and is returned.
+        ``signer`` (a :class:`~dsa_aot.cache.signing.Signer`) signs its ``meta.json``."""
+        meta = EntryMeta(fingerprint=fingerprint, arch=arch, spec_id=spec_id, created=time.time(),
+                         files={n: FileInfo(sha256=sha256_bytes(d), size=len(d)) for n, d in files.items()},
+                         payload=payload or {}, payload_sha256=payload_sha256(payload or {}))
+        return self._publish(meta if signer is None else signer.sign(meta), files)
+
+    def publish_entry(self, meta: EntryMeta, files: dict[str, bytes]) -> Entry:
+        """Publish a copy of an entry from elsewhere (a bundle, the remote tier) with its
+        ``meta.json`` unchanged, signature included. Raises CorruptArtifact unless ``files`` are
+        exactly the meta's files, byte for byte."""
+        if set(files) != set(meta.files):
+            raise CorruptArtifact(f"{meta.spec_id}: files {sorted(files)} are not those of its meta "
+                                  f"{sorted(meta.files)}")
+        for name, data in files.items():
+            info = meta.files[name]
+            if len(data) != info.size or sha256_bytes(data) != info.sha256:
+                raise CorruptArtifact(f"{meta.spec_id}/{name}: sha256 mismatch")
+        if not meta.payload_intact():
+            raise CorruptArtifact(f"{meta.spec_id}: payload sha256 mismatch")
+        return self._publish(meta, files)
+
+    def _publish(self, meta: EntryMeta, files: dict[str, bytes]) -> Entry:
         if self.read_only:
             raise CacheError(f"{self.root} is a read-only cache root")
+        fingerprint, arch, spec_id = meta.fingerprint, meta.arch, meta.spec_id
         final = self.entry_dir(fingerprint, arch, spec_id)
         check_file_names(files)
         staging_root = self.root / STAGING
@@ -325,9 +359,6 @@ class ArtifactStore:
         try:
             for name, data in files.items():
                 _write_file(staging / name, data)
-            meta = EntryMeta(fingerprint=fingerprint, arch=arch, spec_id=spec_id, created=time.time(),
-                             files={n: FileInfo(sha256=sha256_bytes(d), size=len(d)) for n, d in files.items()},
-                             payload=payload or {}, payload_sha256=payload_sha256(payload or {}))
             _write_file(staging / META, meta.model_dump_json(indent=1).encode())
             _fsync_dir(staging)
             mkdirs(final.parent)

@@ -161,7 +161,8 @@ def scoped_settings(monkeypatch):
     from dsa_aot import settings
 
     for name in ("DSA_AOT_CACHE_DIR", "DSA_AOT_PREBUILT_DIR", "DSA_AOT_REQUIRE_PREBUILT", "DSA_AOT_JIT",
-                 "DSA_AOT_ALLOW_SHARED_CACHE"):
+                 "DSA_AOT_ALLOW_SHARED_CACHE", "DSA_AOT_REMOTE_URL", "DSA_AOT_REMOTE_WRITE", "DSA_AOT_SIGNING_KEY",
+                 "DSA_AOT_TRUSTED_KEYS", "DSA_AOT_BACKENDS"):
         monkeypatch.delenv(name, raising=False)
 
     def apply(**env: str):
@@ -172,6 +173,16 @@ def scoped_settings(monkeypatch):
     yield apply
     monkeypatch.undo()
     settings.reload()
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real ``redis-server`` on a free loopback port (killed afterwards)."""
+    import _redis
+
+    server = _redis.RedisServer(tmp_path / "redis")
+    yield server
+    server.kill()
 
 
 def _try(cmd: list[str]) -> bool:
