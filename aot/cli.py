@@ -1,4 +1,5 @@
-"""The ``dsa-aot`` command line: prebuild, list, status, verify, gc, export, import, doctor."""
+"""The ``dsa-aot`` command line: prebuild, list, status, verify, gc, export, import, doctor,
+and the fleet tier's push, pull and keygen."""
 
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ def cmd_prebuild(args) -> int:
         os.dup2(2, 1)
     try:
         summary = prebuild(archs=_archs(args.arch), only=args.only, shard=args.shard, jobs=args.jobs,
-                           catalog_path=args.catalog, root=args.cache_dir, progress=not args.quiet)
+                           catalog_path=args.catalog, root=args.cache_dir, progress=not args.quiet,
+                           push=args.push)
     finally:
         if saved is not None:
             sys.stdout.flush()
@@ -122,15 +124,90 @@ def _states(args) -> dict[str, str]:
     return states
 
 
+def _remote_states(args, remote) -> dict[str, str]:
+    """Per catalog spec on the remote: ``cached`` (this process would pull it), ``stale``
+    (entries of the spec under other keys only) or ``missing``; all ``unreachable`` if it is."""
+    from dsa_aot.loader import Loader
+
+    loader, states = Loader(), {}
+    for spec in _catalog_specs(args):
+        if not remote.available:
+            states[spec.id] = "unreachable"
+        elif loader.find(remote, spec) is not None:
+            states[spec.id] = "cached"
+        elif next(remote.candidates(spec.arch, spec.id), None) is not None:
+            states[spec.id] = "stale"
+        else:
+            states[spec.id] = "unreachable" if not remote.available else "missing"
+    return states
+
+
 def cmd_status(args) -> int:
     states = _states(args)
+    remote_states = _remote_states(args, _need_remote()) if args.remote else None
     if args.json:
-        print(json.dumps(states, indent=1))
+        print(json.dumps(states if remote_states is None else
+                         {s: {"local": st, "remote": remote_states[s]} for s, st in states.items()}, indent=1))
     else:
         for spec_id, state in states.items():
-            print(f"{state:<8} {spec_id}")
+            print(f"{state:<8} {spec_id}" if remote_states is None else
+                  f"{state:<8} remote:{remote_states[spec_id]:<11} {spec_id}")
         counts = {s: list(states.values()).count(s) for s in ("cached", "stale", "missing", "failed")}
         print(f"toolchain {_fingerprint()}: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+        if remote_states is not None:
+            rc = {s: list(remote_states.values()).count(s) for s in ("cached", "stale", "missing", "unreachable")}
+            print(f"remote {_need_remote().root}: " + ", ".join(f"{n} {s}" for s, n in rc.items() if n or s != "unreachable"))
+    return 0
+
+
+def _need_remote(write: bool | None = None):
+    from dsa_aot.fleet import remote_store
+
+    remote = remote_store(write=write)
+    if remote is None:
+        raise RuntimeError("no remote configured: set DSA_AOT_REMOTE_URL=redis://host:port/db")
+    return remote
+
+
+def _local_stores(args):
+    from dsa_aot.cache.store import ArtifactStore
+
+    cfg = _settings.get()
+    return [ArtifactStore(r, read_only=True) for r in cfg.prebuilt_dirs] + [_store(args)]
+
+
+def cmd_push(args) -> int:
+    from dsa_aot.fleet import push_specs
+    from dsa_aot.loader import Loader
+
+    remote = _need_remote(write=True)
+    remote.ping()
+    summary = push_specs(_catalog_specs(args), Loader(), _local_stores(args), remote, progress=not args.quiet)
+    print(json.dumps(summary.as_dict(), indent=1) if args.json else summary.format())
+    return 0 if summary.ok else 1
+
+
+def cmd_pull(args) -> int:
+    from dsa_aot.fleet import pull_specs
+    from dsa_aot.loader import Loader
+
+    remote = _need_remote()
+    remote.ping()
+    stores = _local_stores(args)
+    if not stores[-1].writable():
+        raise RuntimeError(f"cache root {stores[-1].root} is not writable; set DSA_AOT_CACHE_DIR or --cache-dir")
+    summary = pull_specs(_catalog_specs(args), Loader(), stores, stores[-1], remote, progress=not args.quiet)
+    print(json.dumps(summary.as_dict(), indent=1) if args.json else summary.format())
+    return 0 if summary.ok else 1
+
+
+def cmd_keygen(args) -> int:
+    from dsa_aot.cache.signing import Signer
+
+    signer = Signer.generate()
+    private, public = signer.write(Path(args.file))
+    print(f"key {signer.key_id}: private {private} (DSA_AOT_SIGNING_KEY, keep it on builders), "
+          f"public {public} (DSA_AOT_TRUSTED_KEYS)")
     return 0
 
 
@@ -173,7 +250,9 @@ def cmd_export(args) -> int:
 def cmd_import(args) -> int:
     from dsa_aot.cache.bundle import import_bundle
 
-    report = import_bundle(_store(args), Path(args.file))
+    from dsa_aot.fleet import trust_check
+
+    report = import_bundle(_store(args), Path(args.file), accept=trust_check())
     print(f"imported {len(report.imported)} entries, {len(report.already_present)} already present")
     return 0
 
@@ -212,6 +291,36 @@ def _would_serve(args, cfg) -> dict[str, object]:
     return out
 
 
+def _remote_report(cfg) -> dict[str, object]:
+    """The remote tier and signing as this process sees them."""
+    from dsa_aot.cache.remote import RemoteError
+    from dsa_aot.cache.signing import SigningError
+    from dsa_aot.fleet import remote_store, signer
+
+    out: dict[str, object] = {"url": None, "signing_key": None, "trusted_keys": [str(p) for p in cfg.trusted_keys]}
+    remote = remote_store()
+    if remote is not None:
+        out.update(url=remote.root, write=remote.writable, connect_timeout_s=cfg.remote_connect_timeout_s,
+                   timeout_s=cfg.remote_timeout_s, ttl_s=cfg.remote_ttl_s, lease_s=cfg.remote_lease_s)
+        try:
+            out["ping_ms"] = round(remote.ping(), 3)
+        except RemoteError as exc:
+            out["unreachable"] = str(exc)
+    try:
+        key = signer()
+        out["signing_key"] = None if key is None else {"path": str(cfg.signing_key), "key_id": key.key_id}
+    except SigningError as exc:
+        out["signing_key"] = {"path": str(cfg.signing_key), "error": str(exc)}
+    if cfg.trusted_keys:
+        from dsa_aot.cache.signing import TrustedKeys
+
+        try:
+            out["trusted_key_ids"] = TrustedKeys.from_paths(cfg.trusted_keys).key_ids
+        except SigningError as exc:
+            out["trusted_key_ids"] = f"unusable, nothing will load: {exc}"
+    return out
+
+
 def cmd_doctor(args) -> int:
     from dsa_aot.cache.store import shared_writable_reason
     from dsa_aot.loader import get_loader
@@ -232,6 +341,7 @@ def cmd_doctor(args) -> int:
     states = _states(args)
     report["catalog"] = {s: list(states.values()).count(s) for s in ("cached", "stale", "missing", "failed")}
     report["loader_would_serve"] = _would_serve(args, cfg)
+    report["remote"] = _remote_report(cfg)
     print(json.dumps(report, indent=1, default=str))
     return 0
 
@@ -255,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true",
                     help="print the summary as JSON on stdout (key, root, wall time, per spec: "
                          "id, status, seconds, message); progress and build output go to stderr")
+    sp.add_argument("--push", action="store_true",
+                    help="compile once across builders sharing DSA_AOT_REMOTE_URL and push every entry there")
     sp.set_defaults(func=cmd_prebuild)
     sp = sub.add_parser("list", help="list catalog specs")
     common(sp)
@@ -263,7 +375,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("status", help="cached / missing / failed per spec for this toolchain")
     common(sp)
     sp.add_argument("--json", action="store_true")
+    sp.add_argument("--remote", action="store_true", help="also the state of each spec on DSA_AOT_REMOTE_URL")
     sp.set_defaults(func=cmd_status)
+    for name, func, text in (("push", cmd_push, "upload this toolchain's cached entries to DSA_AOT_REMOTE_URL"),
+                             ("pull", cmd_pull, "download the entries this process would serve from "
+                                                "DSA_AOT_REMOTE_URL into the cache (verified)")):
+        sp = sub.add_parser(name, help=text)
+        common(sp)
+        sp.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+        sp.add_argument("--json", action="store_true", help="the summary as JSON on stdout")
+        sp.set_defaults(func=func)
+    sp = sub.add_parser("keygen", help="create an Ed25519 signing key FILE and its public key FILE.pub")
+    sp.add_argument("file")
+    sp.set_defaults(func=cmd_keygen)
     sp = sub.add_parser("verify", help="re-hash every artifact")
     common(sp, select=False)
     sp.add_argument("--quarantine", action="store_true", help="move damaged entries aside")
@@ -294,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (_settings.SettingsError, FileNotFoundError, ValueError, RuntimeError) as exc:
+    except (_settings.SettingsError, FileNotFoundError, FileExistsError, ValueError, RuntimeError) as exc:
         print(f"dsa-aot {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

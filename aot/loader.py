@@ -11,9 +11,15 @@ Lookup order for a call shape, over the backends of the catalog's ranking:
        code, the spec's kernel sources, arch, host) equals this process's, and whose builder
        used the same version of any compiler part that is installed here.
      Every file is sha256-checked before it is loaded; a bad entry is quarantined and misses;
+     then the remote tier (``DSA_AOT_REMOTE_URL``) by the same rules: its entry is fetched,
+     every byte checked against its manifest and published into the writable cache, then
+     loaded from there like any entry. A remote failure is a logged miss. With
+     ``DSA_AOT_TRUSTED_KEYS`` set, an entry of any of them whose signature does not verify is
+     refused (and never copied from the remote);
   2. none stored: ``DSA_AOT_REQUIRE_PREBUILT=1`` raises :class:`MissingPrebuiltError`; else JIT
      each backend in ranking order through :func:`dsa_aot.build.build_and_publish` (unless
-     ``DSA_AOT_JIT=0``, or a compiler or probed feature is missing);
+     ``DSA_AOT_JIT=0``, or a compiler or probed feature is missing), which pushes the result
+     and compiles once across the fleet when ``DSA_AOT_REMOTE_WRITE=1``;
   3. finally the torch reference, with a loud warning.
 Each step is logged once per process with its reason. Nothing here imports a compiler unless a
 JIT build actually runs.
@@ -55,7 +61,7 @@ class Resolution:
     """What the loader picked for a spec, and why (for ``dsa-aot doctor`` and logs)."""
 
     spec: KernelSpec
-    source: str  # "prebuilt:<root>", "cache:<root>", "jit:<root>", "jit:memory", "reference"
+    source: str  # "prebuilt:<root>", "cache:<root>", "remote:<url>", "jit:<root>", "jit:memory", "reference"
     reasons: tuple[str, ...] = ()
     rule: str = ""  # "build key" or "runtime identity" for a stored hit
 
@@ -94,7 +100,7 @@ class Loader:
         return self.toolchain().fingerprint
 
     def stores(self) -> list[ArtifactStore]:
-        """Read-only prebuilt roots first, then the writable cache root."""
+        """Read-only prebuilt roots first, then the writable cache root, then the remote tier."""
         if self._stores is None:
             cfg = _settings.get()
             stores = []
@@ -106,6 +112,10 @@ class Loader:
                     continue
                 read_only = root != cfg.cache_dir
                 stores.append(ArtifactStore(root, read_only=read_only, lock_timeout_s=cfg.lock_timeout_s))
+            if cfg.remote_url is not None:
+                from dsa_aot.fleet import remote_store
+
+                stores.append(remote_store())
             self._stores = stores
         return self._stores
 
@@ -217,14 +227,36 @@ class Loader:
             match = self.find(store, spec)
             if match is None:
                 continue
-            kernel = self._load_entry(store, match.entry, device_index)
+            local, entry = store, match.entry
+            if getattr(store, "remote", False):  # copy it into the local cache, then load that copy
+                try:
+                    local, entry = store.pull(entry, self.writable_store(), self.trust_check())
+                except CacheError as exc:
+                    self._once(f"remote miss for {entry.key} on {store.root}: {exc}", logging.WARNING)
+                    continue
+            kernel = self._load_entry(local, entry, device_index)
             if kernel is not None:
-                kind = "prebuilt" if store.read_only else "cache"
+                kind = "remote" if local is not store else "prebuilt" if store.read_only else "cache"
                 return kernel, f"{kind}:{store.root}", match.rule
         return None
 
+    def trust_check(self):
+        """``reason(meta)`` under ``DSA_AOT_TRUSTED_KEYS``, or None when no key is configured."""
+        if not _settings.get().trusted_keys:
+            return None
+        from dsa_aot.fleet import trust_check
+
+        return trust_check()
+
     def _load_entry(self, store: ArtifactStore, entry: Entry, device_index: int) -> Any | None:
-        if not _settings.get().allow_shared_cache:  # the root was checked in stores(); now its subtree
+        trust = self.trust_check()
+        refused = trust(entry.meta) if trust is not None else None
+        if refused:
+            store.quarantine(entry, refused)  # a read-only root: logged only
+            self._once(f"refused {entry.key} from {store.root}: {refused}", logging.WARNING)
+            return None
+        if not _settings.get().allow_shared_cache and isinstance(store, ArtifactStore):
+            # the root was checked in stores(); now its subtree
             for path in (entry.path.parent.parent, entry.path.parent, entry.path, entry.path / META):
                 reason = shared_writable_reason(path)
                 if reason:
@@ -258,13 +290,21 @@ class Loader:
             self._once(f"no writable cache root; {spec.id} is compiled in memory only", logging.WARNING)
         else:
             self._once(f"JIT compiling {spec.id} (run `{prebuild_command(spec)}` at image build time to avoid this)")
-        done = build_and_publish(store, spec, self.toolchain())
+        cfg = _settings.get()
+        remote = None
+        if cfg.remote_url is not None and cfg.remote_write:
+            from dsa_aot.fleet import remote_store
+
+            remote = remote_store()
+        done = build_and_publish(store, spec, self.toolchain(), remote=remote, accept=self.trust_check())
         if done.error:
             self._once(f"could not store {spec.id} in {store.root}: {done.error}; using it from memory",
                        logging.WARNING)
         kernel = BACKENDS[spec.backend].load(done.manifest, done.read(store), device_index)
         source = {"built": f"jit:{store.root if store else ''}", "cached": f"cache:{store.root if store else ''}",
                   "memory": "jit:memory"}[done.status]
+        if done.pulled_from:
+            source = f"remote:{done.pulled_from}"
         return kernel, source
 
     def resolve(self, op: str, arch: str, d_qk: int, heads: int, layout: str, device_index: int) -> tuple[Any, Resolution]:

@@ -101,8 +101,9 @@ def _init_worker(arch: str) -> None:
     os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
 
 
-def build_one(spec_json: str, root: str, fingerprint: str, lock_timeout_s: float) -> Outcome:
-    """Worker: build one spec and publish it (runs in a worker process of one arch)."""
+def build_one(spec_json: str, root: str, fingerprint: str, lock_timeout_s: float, push: bool = False) -> Outcome:
+    """Worker: build one spec and publish it (runs in a worker process of one arch); with
+    ``push``, once across the fleet and pushed to the remote tier."""
     from dsa_aot.build import build_and_publish
     from dsa_aot.specs.toolchain import Toolchain
 
@@ -112,8 +113,13 @@ def build_one(spec_json: str, root: str, fingerprint: str, lock_timeout_s: float
     if toolchain.fingerprint != fingerprint:
         return Outcome(spec.id, "failed", 0.0,
                        f"worker toolchain {toolchain.fingerprint} differs from parent {fingerprint}")
+    remote = None
+    if push:
+        from dsa_aot.fleet import remote_store
+
+        remote = remote_store(write=True)
     try:
-        done = build_and_publish(ArtifactStore(root, lock_timeout_s=lock_timeout_s), spec, toolchain)
+        done = build_and_publish(ArtifactStore(root, lock_timeout_s=lock_timeout_s), spec, toolchain, remote=remote)
     except BuildError as exc:
         return Outcome(spec.id, "failed", time.perf_counter() - start, str(exc))
     except Exception as exc:
@@ -132,8 +138,10 @@ def plan(catalog: Catalog, archs: list[str], only: list[str] | None,
 def prebuild(*, archs: list[str] | None = None, only: list[str] | None = None,
              shard: tuple[int, int] | None = None, jobs: int | None = None,
              catalog_path: Path | None = None, root: Path | None = None,
-             progress: bool = True) -> Summary:
-    """Build every selected spec that is not cached yet; never raises for a single spec."""
+             progress: bool = True, push: bool = False) -> Summary:
+    """Build every selected spec that is not cached yet; never raises for a single spec. With
+    ``push`` (a remote configured), missing specs are compiled once across the builders sharing
+    the remote, and every built or cached entry ends up on the remote."""
     from dsa_aot.build import build_blocker
     from dsa_aot.identity import build_identity, can_key_builds
     from dsa_aot.specs.probes import load_or_probe
@@ -146,6 +154,13 @@ def prebuild(*, archs: list[str] | None = None, only: list[str] | None = None,
     if not store.writable():
         raise RuntimeError(f"cache root {store.root} is not writable; set DSA_AOT_CACHE_DIR or --cache-dir")
     store.sweep_staging()
+    remote = None
+    if push:
+        from dsa_aot.fleet import remote_store
+
+        remote = remote_store(write=True)
+        if remote is None:
+            raise RuntimeError("--push needs DSA_AOT_REMOTE_URL (redis://host:port/db)")
     summary = Summary(fingerprint=toolchain.fingerprint, root=store.root)
     specs = plan(load_catalog(catalog_path), archs or default_archs(), only, shard)
     todo, features = [], None
@@ -165,15 +180,36 @@ def prebuild(*, archs: list[str] | None = None, only: list[str] | None = None,
             summary.outcomes.append(Outcome(spec.id, "skipped-by-feature", message=reason))
         else:
             todo.append(spec)
-    _build_all(todo, store, toolchain.fingerprint, jobs or 1, cfg.lock_timeout_s, summary, progress)
+    _build_all(todo, store, toolchain.fingerprint, jobs or 1, cfg.lock_timeout_s, summary, progress, push)
+    if remote is not None:
+        _push_done(specs, summary, store, remote, toolchain)
     order = {s.id: i for i, s in enumerate(specs)}
     summary.outcomes.sort(key=lambda o: order.get(o.spec_id, 0))
     summary.wall_s = time.perf_counter() - start
     return summary
 
 
+def _push_done(specs: list[KernelSpec], summary: Summary, store: ArtifactStore, remote, toolchain) -> None:
+    """Push every built or cached entry of ``specs`` (a build pushes its own; this covers the
+    rest, and an entry already on the remote costs one round trip). A failed push fails the spec."""
+    from dsa_aot.identity import build_identity
+
+    by_id = {s.id: s for s in specs}
+    for outcome in summary.outcomes:
+        spec = by_id.get(outcome.spec_id)
+        if spec is None or outcome.status not in ("built", "cached"):
+            continue
+        entry = store.lookup(build_identity(get_backend(spec.backend), spec, toolchain).key(), spec.arch, spec.id)
+        try:
+            if entry is None:
+                raise RuntimeError("its entry is gone from the cache")
+            remote.push_entry(store, entry)
+        except Exception as exc:
+            outcome.status, outcome.message = "failed", f"built but not pushed: {exc}"
+
+
 def _build_all(specs: list[KernelSpec], store: ArtifactStore, fingerprint: str, jobs: int,
-               lock_timeout_s: float, summary: Summary, progress: bool) -> None:
+               lock_timeout_s: float, summary: Summary, progress: bool, push: bool = False) -> None:
     bar = _progress(len(specs), progress)
     by_arch: dict[str, list[KernelSpec]] = {}
     for spec in specs:
@@ -183,7 +219,7 @@ def _build_all(specs: list[KernelSpec], store: ArtifactStore, fingerprint: str, 
         with ProcessPoolExecutor(max_workers=min(jobs, len(group)), mp_context=ctx,
                                  initializer=_init_worker, initargs=(arch,)) as pool:
             futures = {pool.submit(build_one, s.model_dump_json(), str(store.root), fingerprint,
-                                   lock_timeout_s): s for s in group}
+                                   lock_timeout_s, push): s for s in group}
             for fut in as_completed(futures):
                 spec = futures[fut]
                 try:

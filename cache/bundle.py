@@ -3,8 +3,8 @@
 A bundle is a tar file: ``bundle.json`` (every entry's meta: file names, sizes, sha256) and
 the files at ``entries/<fingerprint>/<arch>/<spec id>/<file>``. Import never extracts the
 tar: it reads each expected member by its exact name, refuses anything else (links, devices,
-``..`` or absolute names, unexpected or oversized members), checks every sha256, then
-publishes each entry through the store's atomic path.
+``..`` or absolute names, unexpected or oversized members), checks every sha256 (and, given a trust check, every signature), then publishes each entry
+through the store's atomic path with its ``meta.json`` unchanged, so signatures travel with it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import tarfile
 import time
 import zlib
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -145,9 +146,10 @@ def _verified_entries(tar: tarfile.TarFile, store: ArtifactStore,
     return staged
 
 
-def import_bundle(store: ArtifactStore, path: Path, *, max_member_bytes: int = MAX_MEMBER_BYTES) -> ImportReport:
+def import_bundle(store: ArtifactStore, path: Path, *, max_member_bytes: int = MAX_MEMBER_BYTES,
+                  accept: Callable[[EntryMeta], str | None] | None = None) -> ImportReport:
     """Verify a whole bundle, then publish its entries. Raises BundleError before writing anything
-    if any member is hostile or any hash is wrong."""
+    if any member is hostile, any hash is wrong or ``accept`` (the trust check) refuses an entry."""
     try:
         tar = tarfile.open(path, "r:*")
     except (tarfile.TarError, OSError) as exc:
@@ -157,6 +159,10 @@ def import_bundle(store: ArtifactStore, path: Path, *, max_member_bytes: int = M
             staged = _verified_entries(tar, store, max_member_bytes)
     except _DAMAGED as exc:  # a truncated or corrupt archive or compressed stream
         raise BundleError(f"{path} is damaged or truncated: {type(exc).__name__}: {exc}") from None
+    for meta, _ in staged if accept is not None else ():
+        refused = accept(meta)
+        if refused:
+            raise BundleError(f"bundle entry {meta.spec_id} is not trusted: {refused}")
     imported, present = [], []
     for meta, files in staged:
         key = f"{meta.fingerprint}/{meta.arch}/{meta.spec_id}"
@@ -164,6 +170,6 @@ def import_bundle(store: ArtifactStore, path: Path, *, max_member_bytes: int = M
             present.append(key)
             continue
         with store.lock(meta.fingerprint, meta.arch, meta.spec_id):
-            store.publish(meta.fingerprint, meta.arch, meta.spec_id, files, meta.payload)
+            store.publish_entry(meta, files)
         imported.append(key)
     return ImportReport(imported, present)

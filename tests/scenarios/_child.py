@@ -191,6 +191,28 @@ def main() -> None:
         fingerprint = Toolchain.current().fingerprint  # what the worker will check against
         outcome = build_one(spec.model_dump_json(), os.environ["DSA_AOT_CACHE_DIR"], fingerprint, 60.0)
         out.update(status=outcome.status, message=outcome.message, key=loader.key_of(spec))
+    elif action == "shard":  # a prebuild worker of one shard, sharing the remote with the others
+        from dsa_aot.build import build_and_publish
+        from dsa_aot.cache.store import ArtifactStore
+        from dsa_aot.fleet import remote_store
+        from dsa_aot.specs.catalog import select
+
+        specs = select([_harness.spec(**s) for s in cfg["specs"]], shard=tuple(cfg["shard"]))
+        store, remote = ArtifactStore(os.environ["DSA_AOT_CACHE_DIR"]), remote_store(write=True)
+        out["statuses"] = {s.id: build_and_publish(store, s, loader.toolchain(), remote=remote).status
+                           for s in specs}
+    elif action == "pull_resolve":  # `dsa-aot pull` of the specs, then the loader's lookup of each
+        from dsa_aot.fleet import pull_specs, remote_store
+
+        specs = [_harness.spec(**s) for s in cfg["specs"]]
+        stores = [s for s in loader.stores() if not getattr(s, "remote", False)]
+        summary = pull_specs(specs, loader, stores, loader.writable_store(), remote_store())
+        out["pulled"] = {r.spec_id: r.status for r in summary.rows}
+        resolved = {}
+        for s in specs:
+            hit = loader.try_load(s, 0)
+            resolved[s.id] = None if hit is None else hit[1].split(":", 1)[0]
+        out["resolved"] = resolved
     elif action == "gc":  # keep only this spec's key, trimmed to max_bytes
         from dsa_aot.cache.store import ArtifactStore
 
