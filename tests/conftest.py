@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
+# Helper modules beside this file (cli_helpers) are imported by name from tests in any folder.
+_HELPERS = str(Path(__file__).parent)
+if _HELPERS not in sys.path:
+    sys.path.insert(0, _HELPERS)
 
 try:
     import torch

@@ -1,9 +1,10 @@
 """The ``cutedsl`` backend: the CuTe DSL forward, and the backward's three CuTe DSL stages.
 
-CPU: real builds for sm_90a and sm_100a through ``BACKENDS["cutedsl"]``, published into a store;
-the manifest (formats, records, the isfinite choice); a forced ``use_isfinite=False`` build;
-``dsa-aot prebuild`` of a cutedsl spec (built, then cached; skipped when the DSL is probed
-missing); a fresh process loading the stored artifact without ``cutlass``, as far as CUDA.
+CPU: real builds for sm_90a and sm_100a through :func:`dsa_aot.build.build_and_publish`; the
+published manifest (formats, records, the isfinite choice); a forced ``use_isfinite=False``
+build; the backend's load refusing stages it cannot run; ``dsa-aot prebuild`` of a cutedsl spec
+(built, then cached; skipped when the DSL is probed missing); a fresh process loading the stored
+artifact without ``cutlass``, as far as CUDA.
 GPU (``-m gpu``): the public API with ``DSA_AOT_BACKENDS=cutedsl,tilelang`` against the reference.
 """
 
@@ -17,14 +18,19 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_helpers import cli
 import torch
+from cli_helpers import cli
 from pydantic import ValidationError
 
 from dsa_aot import settings
-from dsa_aot.artifact import ArtifactManifest, CuteDslStage
-from dsa_aot.backends import BACKENDS, STAGE_PARAMS, Built
+from dsa_aot.artifact import ArtifactManifest
+from dsa_aot.backends import BACKENDS, BuildError
+from dsa_aot.backends.base import STAGE_PARAMS, Built
+from dsa_aot.backends.cutedsl.records import BWD_MAIN_DEFAULT_IMPL, FWD_DEFAULT_IMPL, CuteExportRecord
+from dsa_aot.build import Published, build_and_publish, manifest_for
 from dsa_aot.cache.store import ArtifactStore, CorruptArtifact
+from dsa_aot.identity import build_identity, can_key_builds
+from dsa_aot.specs.catalog import load_catalog
 from dsa_aot.specs.models import KernelSpec
 from dsa_aot.specs.probes import Features
 from dsa_aot.specs.toolchain import Toolchain
@@ -33,16 +39,23 @@ SPECS = {"sm_90a": "bwd-sm_90a-d576-h64-compact-cutedsl",
          "sm_100a": "bwd-sm_100a-d512-h16-noncompact-cutedsl"}
 PREBUILT = "bwd-sm_90a-d576-h64-compact-cutedsl"
 STAGES = [("bwd_preprocess", "cutedsl_so"), ("bwd_main", "cutedsl_so"), ("bwd_postprocess", "cutedsl_so")]
-#: A cubin stage as the TileLang backend writes it (a backend may mix both formats).
+#: A cubin stage as the TileLang backend writes it (a manifest may mix formats).
 CUBIN_STAGE = {"format": "cubin", "name": "bwd_main", "file": "bwd_main.cubin",
-               "launch": {"entry": "k", "params": [], "grid": ["1", "1", "1"], "block": [128, 1, 1]}}
+               "record": {"entry": "k", "params": [], "grid": ["1", "1", "1"], "block": [128, 1, 1]}}
 _CUDA = torch.cuda.is_available()
-_CANNOT_BUILD = BACKENDS["cutedsl"].can_build()
+_CANNOT_BUILD = can_key_builds(BACKENDS["cutedsl"], Toolchain.current())
 needs_build = pytest.mark.skipif(_CANNOT_BUILD is not None, reason=f"cannot build: {_CANNOT_BUILD}")
 
 
-def _fingerprint() -> str:
-    return Toolchain.current().fingerprint
+def _key(spec_id: str) -> str:
+    """The spec's build key in this process (its entry's first path component)."""
+    spec = KernelSpec.from_id(spec_id)
+    return build_identity(BACKENDS[spec.backend], spec, Toolchain.current()).key()
+
+
+def _record(stage) -> CuteExportRecord:
+    assert stage.format == "cutedsl_so"
+    return CuteExportRecord.model_validate(stage.record)
 
 
 def _needed(lib: bytes) -> bool:
@@ -52,42 +65,51 @@ def _needed(lib: bytes) -> bool:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    """Both specs built by the backend and published; plus a forced ``use_isfinite=False`` build."""
+    """Both specs built and published by the production build path; plus a forced
+    ``use_isfinite=False`` build of the sm_90a spec by the backend."""
     if _CANNOT_BUILD is not None:
         pytest.skip(f"cannot build: {_CANNOT_BUILD}")
-    backend = BACKENDS["cutedsl"]
-    fp = _fingerprint()
+    toolchain = Toolchain.current()
     store = ArtifactStore(tmp_path_factory.mktemp("cutedsl-store"))
-    builds: dict[str, Built] = {}
+    done: dict[str, Published] = {}
     for spec_id in SPECS.values():
-        spec = KernelSpec.from_id(spec_id)
-        builds[spec_id] = backend.build(spec, fp)
-        store.publish(fp, spec.arch, spec_id, builds[spec_id].files,
-                      builds[spec_id].manifest.model_dump(mode="json"))
-    forced = backend.build(KernelSpec.from_id(SPECS["sm_90a"]), fp, use_isfinite=False)
-    return {"store": store, "fp": fp, "builds": builds, "forced": forced}
+        done[spec_id] = build_and_publish(store, KernelSpec.from_id(spec_id), toolchain)
+        assert done[spec_id].status == "built", done[spec_id]
+    spec = KernelSpec.from_id(SPECS["sm_90a"])
+    forced = BACKENDS["cutedsl"].build(spec, use_isfinite=False)
+    return {"store": store, "done": done, "forced": forced,
+            "forced_manifest": manifest_for(BACKENDS["cutedsl"], spec, toolchain, forced)}
+
+
+def _files(built: dict, spec_id: str) -> dict[str, bytes]:
+    """The stored (sha256-checked) files of a published spec."""
+    store: ArtifactStore = built["store"]
+    done: Published = built["done"][spec_id]
+    return {name: store.read_file(done.entry, name) for name in done.entry.meta.files}
 
 
 @needs_build
 @pytest.mark.parametrize("arch", sorted(SPECS))
 def test_published_manifest(built: dict, arch: str) -> None:
-    from dsa_aot.cutedsl_backend import probe_isfinite
+    from dsa_aot.backends.cutedsl.build import probe_isfinite
 
     store: ArtifactStore = built["store"]
     spec_id = SPECS[arch]
-    entry = store.lookup(built["fp"], arch, spec_id)
+    entry = store.lookup(_key(spec_id), arch, spec_id)
     assert entry is not None and store.verify(entry) == []
     manifest = ArtifactManifest.model_validate(entry.meta.payload)
-    assert manifest == built["builds"][spec_id].manifest
+    assert manifest == built["done"][spec_id].manifest
     assert manifest.spec.id == spec_id and manifest.spec.backend == "cutedsl"
+    assert manifest.key == _key(spec_id) == manifest.build.key()
+    assert (manifest.build.backend, manifest.runtime.backend, manifest.runtime.arch) == ("cutedsl", "cutedsl", arch)
     assert [(s.name, s.format) for s in manifest.stages] == STAGES
     isfinite = probe_isfinite()  # what this DSL has: 4.8.1 does
     assert manifest.features == {"cute_math_isfinite": isfinite}
     assert sorted(entry.meta.files) == ["bwd_main.so", "bwd_postprocess.so", "bwd_preprocess.so"]
     for stage in manifest.stages:
         data = store.read_file(entry, stage.file)
-        rec = stage.cute
-        assert isinstance(stage, CuteDslStage) and stage.file == f"{stage.name}.so"
+        rec = _record(stage)
+        assert stage.file == f"{stage.name}.so"
         assert (rec.kernel, rec.arch, rec.link) == (stage.name, arch, "static_cudart")
         assert rec.runtime_libs == () and rec.cudart_version and rec.cudart_version >= 12000
         assert hashlib.sha256(data).hexdigest() == rec.library_sha256
@@ -96,32 +118,35 @@ def test_published_manifest(built: dict, arch: str) -> None:
         tensors = [a.name for a in rec.args if a.kind == "tensor"]
         assert set(tensors) <= STAGE_PARAMS[stage.name]
         assert rec.use_isfinite == (isfinite if stage.name == "bwd_preprocess" else None)
-    assert [a.name for a in manifest.stage("bwd_preprocess").cute.args] == [
+    assert [a.name for a in _record(manifest.stage("bwd_preprocess")).args] == [
         "out", "dout", "lse", "attn_sink", "delta", "lse_sink", "d_sink", "stream"]
-    assert [a.name for a in manifest.stage("bwd_postprocess").cute.args] == ["dkv_acc", "dkv", "stream"]
-    main = manifest.stage("bwd_main").cute
+    assert [a.name for a in _record(manifest.stage("bwd_postprocess")).args] == ["dkv_acc", "dkv", "stream"]
+    main = _record(manifest.stage("bwd_main"))
     assert [a.name for a in main.args] == [
         "q", "kv", "dout", "topk_idxs", *(["topk_length"] if manifest.spec.layout == "compact" else []),
         "lse_sink", "delta", "dq", "dkv_acc", "softmax_scale", "stream"]
     assert (main.d_qk, main.heads, main.layout, main.impl) == (
-        manifest.spec.d_qk, manifest.spec.heads, manifest.spec.layout, "mma")
+        manifest.spec.d_qk, manifest.spec.heads, manifest.spec.layout, BWD_MAIN_DEFAULT_IMPL[arch])
 
 
 @needs_build
 def test_forced_infcmp_build_differs(built: dict) -> None:
-    auto: Built = built["builds"][SPECS["sm_90a"]]
+    auto = _files(built, SPECS["sm_90a"])
     forced: Built = built["forced"]
-    assert forced.manifest.features == {"cute_math_isfinite": False}
-    assert forced.manifest.stage("bwd_preprocess").cute.use_isfinite is False
-    assert forced.files["bwd_preprocess.so"] != auto.files["bwd_preprocess.so"]
+    assert forced.features == {"cute_math_isfinite": False}
+    assert built["forced_manifest"].features == {"cute_math_isfinite": False}
+    pre = next(s for s in forced.stages if s.name == "bwd_preprocess")
+    assert _record(pre).use_isfinite is False
+    assert forced.files["bwd_preprocess.so"] != auto["bwd_preprocess.so"]
     # the choice touches the preprocess only
-    assert forced.files["bwd_postprocess.so"] == auto.files["bwd_postprocess.so"]
-    assert forced.files["bwd_main.so"] == auto.files["bwd_main.so"]
+    assert forced.files["bwd_postprocess.so"] == auto["bwd_postprocess.so"]
+    assert forced.files["bwd_main.so"] == auto["bwd_main.so"]
 
 
 @needs_build
-def test_manifest_stage_formats_are_validated(built: dict) -> None:
-    payload = built["builds"][SPECS["sm_90a"]].manifest.model_dump(mode="json")
+def test_manifest_stage_validation(built: dict) -> None:
+    """The manifest checks stage shape and uniqueness; a stage's record is the backend's."""
+    payload = built["done"][SPECS["sm_90a"]].manifest.model_dump(mode="json")
     assert ArtifactManifest.model_validate(payload).stages[0].format == "cutedsl_so"
 
     def broken(index: int, **change: object) -> dict:
@@ -138,23 +163,43 @@ def test_manifest_stage_formats_are_validated(built: dict) -> None:
     assert [s.format for s in mixed.stages] == ["cutedsl_so", "cubin", "cutedsl_so"]
     pre = payload["stages"][0]
     for bad, fragment in [
-            (replaced(1, {**CUBIN_STAGE, "format": "cutedsl_so"}), "cute"),  # a cubin called a library
-            (broken(0, format="cubin"), "launch"),                 # a library called a cubin
-            (broken(0, launch=CUBIN_STAGE["launch"]), "launch"),   # both records
-            (broken(0, name="bwd_postprocess"), "holds a record of kernel"),
-            (broken(0, file="bwd_preprocess.cubin"), "not a shared library"),
-            (broken(2, file=pre["file"]), "unique")]:
+            (broken(0, launch=CUBIN_STAGE["record"]), "launch"),   # a field a stage does not have
+            (broken(2, file=pre["file"]), "unique"),
+            (broken(2, name=pre["name"]), "unique")]:
         with pytest.raises(ValidationError, match=fragment):
             ArtifactManifest.model_validate(bad)
 
 
 @needs_build
+def test_load_refuses_stages_it_cannot_run(built: dict) -> None:
+    """The backend's load validates each stage's format and record before opening anything
+    that could reach CUDA."""
+    manifest: ArtifactManifest = built["done"][SPECS["sm_90a"]].manifest
+    files = _files(built, SPECS["sm_90a"])
+    payload = manifest.model_dump(mode="json")
+
+    def variant(index: int, **change: object) -> ArtifactManifest:
+        data = json.loads(json.dumps(payload))
+        data["stages"][index].update(change)
+        return ArtifactManifest.model_validate(data)
+
+    load = BACKENDS["cutedsl"].load
+    with pytest.raises(BuildError, match="stage bwd_main is cubin, not a CuTe DSL library"):
+        load(variant(1, format="cubin", file="bwd_main.cubin"), files.__getitem__, 0)
+    main_record = payload["stages"][1]["record"]
+    with pytest.raises(BuildError, match="stage bwd_preprocess holds a record of bwd_main"):
+        load(variant(0, record=main_record), files.__getitem__, 0)
+    with pytest.raises(ValidationError):
+        load(variant(0, record=CUBIN_STAGE["record"]), files.__getitem__, 0)  # a LaunchRecord
+
+
+@needs_build
 def test_library_must_match_its_record(built: dict) -> None:
-    manifest: ArtifactManifest = built["builds"][SPECS["sm_100a"]].manifest
-    files = built["builds"][SPECS["sm_100a"]].files
+    manifest: ArtifactManifest = built["done"][SPECS["sm_100a"]].manifest
+    files = _files(built, SPECS["sm_100a"])
     pre = manifest.stage("bwd_preprocess")
     lying = manifest.model_copy(update={"stages": (
-        pre.model_copy(update={"cute": pre.cute.model_copy(update={"library_sha256": "0" * 64})}),
+        pre.model_copy(update={"record": {**pre.record, "library_sha256": "0" * 64}}),
         *manifest.stages[1:])})
     with pytest.raises(CorruptArtifact, match="differs from its record"):
         BACKENDS["cutedsl"].load(lying, files.__getitem__, 0)
@@ -165,32 +210,29 @@ FWD_SPECS = {"sm_90a": "fwd-sm_90a-d576-h64-compact-cutedsl",
 
 
 @pytest.fixture(scope="module")
-def built_fwd(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    """The CuTe DSL forward of both archs, built by the backend and published."""
+def built_fwd(tmp_path_factory: pytest.TempPathFactory) -> ArtifactStore:
+    """The CuTe DSL forward of both archs, built and published by the production build path."""
     if _CANNOT_BUILD is not None:
         pytest.skip(f"cannot build: {_CANNOT_BUILD}")
-    fp = _fingerprint()
     store = ArtifactStore(tmp_path_factory.mktemp("cutedsl-fwd-store"))
     for spec_id in FWD_SPECS.values():
-        spec = KernelSpec.from_id(spec_id)
-        built = BACKENDS["cutedsl"].build(spec, fp)
-        store.publish(fp, spec.arch, spec_id, built.files, built.manifest.model_dump(mode="json"))
-    return {"store": store, "fp": fp}
+        assert build_and_publish(store, KernelSpec.from_id(spec_id), Toolchain.current()).status == "built"
+    return store
 
 
 @needs_build
 @pytest.mark.parametrize("arch", sorted(FWD_SPECS))
-def test_forward_manifest(built_fwd: dict, arch: str) -> None:
-    store: ArtifactStore = built_fwd["store"]
-    entry = store.lookup(built_fwd["fp"], arch, FWD_SPECS[arch])
+def test_forward_manifest(built_fwd: ArtifactStore, arch: str) -> None:
+    store = built_fwd
+    entry = store.lookup(_key(FWD_SPECS[arch]), arch, FWD_SPECS[arch])
     assert entry is not None and store.verify(entry) == []
     manifest = ArtifactManifest.model_validate(entry.meta.payload)
     spec = manifest.spec
     assert [(s.name, s.format) for s in manifest.stages] == [("fwd", "cutedsl_so")]
     assert sorted(entry.meta.files) == ["fwd.so"]
-    rec = manifest.stage("fwd").cute
+    rec = _record(manifest.stage("fwd"))
     assert (rec.kernel, rec.arch, rec.d_qk, rec.heads, rec.layout) == ("fwd", arch, spec.d_qk, spec.heads, spec.layout)
-    assert rec.impl == ("wgmma_ws" if arch == "sm_90a" else "mma") and rec.link == "static_cudart"
+    assert rec.impl == FWD_DEFAULT_IMPL[arch] and rec.link == "static_cudart"
     tensors = [a.name for a in rec.args if a.kind == "tensor"]
     assert tensors == ["q", "kv", "topk_idxs", *(["topk_length"] if spec.layout == "compact" else []),
                        "attn_sink", "out", "lse"]
@@ -270,23 +312,24 @@ def prebuilt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @needs_build
 def test_prebuild_then_cached(prebuilt: Path) -> None:
-    entry = ArtifactStore(prebuilt).lookup(_fingerprint(), "sm_90a", PREBUILT)
+    entry = ArtifactStore(prebuilt).lookup(_key(PREBUILT), "sm_90a", PREBUILT)
     assert entry is not None
     manifest = ArtifactManifest.model_validate(entry.meta.payload)
     assert [(s.name, s.format) for s in manifest.stages] == STAGES
     proc = cli("prebuild", "-q", "--only", PREBUILT, root=prebuilt)
     assert (_count(proc.stdout, "cached"), _count(proc.stdout, "built")) == (1, 0), proc.stdout
     states = json.loads(cli("status", "--json", root=prebuilt).stdout)
-    assert states[PREBUILT] == "cached" and len(states) == 128
+    assert states[PREBUILT] == "cached" and len(states) == len(load_catalog().specs())
 
 
 def test_prebuild_skips_when_the_dsl_is_probed_missing(tmp_path: Path) -> None:
     """A features file saying the DSL cannot be imported turns the spec into skipped-by-feature."""
-    fp = _fingerprint()
+    fp = Toolchain.current().fingerprint
     missing = _features(toolchain=fp, cutlass_dsl_importable=False, cute_math_isfinite=None,
                         errors={"cutlass_dsl_importable": "ModuleNotFoundError: No module named 'cutlass'"})
-    (tmp_path / fp).mkdir()
-    (tmp_path / fp / "features.json").write_text(missing.model_dump_json())
+    path = ArtifactStore(tmp_path).features_path(fp)
+    path.parent.mkdir(parents=True)
+    path.write_text(missing.model_dump_json())
     proc = cli("prebuild", "-q", "--only", "bwd-sm_90a-d512-h16-compact-cutedsl", root=tmp_path)
     assert _count(proc.stdout, "skipped-by-feature") == 1 and _count(proc.stdout, "built") == 0
     assert "the CuTe DSL is not importable" in proc.stdout
@@ -296,24 +339,26 @@ _LOAD_SCRIPT = r"""
 import json, sys
 from dsa_aot import backends
 from dsa_aot.artifact import ArtifactManifest
+from dsa_aot.backends.cutedsl import runtime
 from dsa_aot.cache.store import ArtifactStore
 
-root, fingerprint, arch, spec_id = sys.argv[1:]
+root, key, arch, spec_id = sys.argv[1:]
 store = ArtifactStore(root, read_only=True)
-entry = store.lookup(fingerprint, arch, spec_id)
+entry = store.lookup(key, arch, spec_id)
 manifest = ArtifactManifest.model_validate(entry.meta.payload)
 report = {}
 try:
-    backends.BACKENDS["cutedsl"].load(manifest, lambda name: store.read_file(entry, name), 0)
+    backends.get("cutedsl").load(manifest, lambda name: store.read_file(entry, name), 0)
     report["load"] = "ok"
 except Exception as exc:
     report["load"] = f"{type(exc).__name__}: {exc}"
-report["libraries"] = sorted(backends._CUTE_LIBS)
+    report["load_is_cuda_error"] = isinstance(exc, backends.CudaError)
+report["libraries"] = sorted(runtime._CUTE_LIBS)
 with open("/proc/self/maps") as maps:
     report["memfd_mapped"] = sorted({line.split("memfd:", 1)[1].split()[0] for line in maps
                                      if "memfd:dsa-aot" in line})
 report["prepare"] = []
-for kernel in backends._CUTE_LIBS.values():
+for kernel in runtime._CUTE_LIBS.values():
     try:
         kernel.prepare(0)
         report["prepare"].append("ok")
@@ -326,14 +371,14 @@ print(json.dumps(report))
 
 @needs_build
 def test_fresh_process_loads_stored_artifact_without_cutlass(prebuilt: Path) -> None:
-    fp = _fingerprint()
-    manifest = ArtifactManifest.model_validate(ArtifactStore(prebuilt).lookup(fp, "sm_90a", PREBUILT).meta.payload)
-    proc = subprocess.run([sys.executable, "-c", _LOAD_SCRIPT, str(prebuilt), fp, "sm_90a", PREBUILT],
+    key = _key(PREBUILT)
+    manifest = ArtifactManifest.model_validate(ArtifactStore(prebuilt).lookup(key, "sm_90a", PREBUILT).meta.payload)
+    proc = subprocess.run([sys.executable, "-c", _LOAD_SCRIPT, str(prebuilt), key, "sm_90a", PREBUILT],
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["modules"] == []  # no compiler, no DSL
-    cute = [s.cute for s in manifest.stages if isinstance(s, CuteDslStage)]
+    cute = [_record(s) for s in manifest.stages]
     # every library was opened from the verified bytes, through sealed memfds
     assert report["libraries"] == sorted(r.library_sha256 for r in cute)
     assert report["memfd_mapped"] == sorted(f"dsa-aot-{r.name}" for r in cute)
@@ -341,7 +386,8 @@ def test_fresh_process_loads_stored_artifact_without_cutlass(prebuilt: Path) -> 
         assert report["load"] == "ok" and report["prepare"] == ["ok"] * len(cute)
         return
     # then the first CUDA call fails, and says so (the static CUDA runtime finds no driver)
-    assert report["load"].startswith("CudaError: ") and (
+    assert report["load_is_cuda_error"] is True, report["load"]
+    assert report["load"].startswith("CuteRuntimeError: ") and (
         "libcuda.so.1" in report["load"] or "CUDA error" in report["load"]), report["load"]
     for message in report["prepare"]:
         assert message.startswith("CuteRuntimeError: ") and "loading the cubin failed with CUDA error" in message

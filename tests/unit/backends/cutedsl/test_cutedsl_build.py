@@ -1,11 +1,12 @@
 """CuTe DSL backward pre/post-processing: AOT build, export, link, and the cutlass-free loader.
 
-CPU: both kernels compile, export and link for sm_90a and sm_100a in worker processes; the
-isfinite feature probe; the forced fallback builds a different cubin; a fresh process loads the
-libraries through ``dsa_aot.cutedsl_runtime`` without importing ``cutlass``.
-GPU (``-m gpu``): numerics against an fp64 reference, every sink edge case, both isfinite paths.
-Set ``DSA_AOT_CUTEDSL_ARTIFACTS`` to a folder built by ``python -m dsa_aot.cutedsl_backend build``
-to run the GPU tests where the DSL is not installed.
+CPU: both kernels compile, export and link (``dsl_runtime``) for sm_90a and sm_100a in worker
+processes (:func:`dsa_aot.backends.cutedsl.build.build_cutedsl`); the isfinite feature probe;
+the forced fallback builds a different cubin; a fresh process loads the libraries through
+:mod:`dsa_aot.backends.cutedsl.runtime` without importing ``cutlass``.
+GPU (``-m gpu``): a bwd spec built and published by :func:`dsa_aot.build.build_and_publish`
+(and a forced ``use_isfinite=False`` build), loaded by the backend; its preprocess and
+postprocess stages against an fp64 reference, every sink edge case, both isfinite paths.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import ctypes
 import importlib.metadata
 import json
 import math
-import os
 import struct
 import subprocess
 import sys
@@ -24,15 +24,10 @@ import pytest
 import torch
 from cli_helpers import embedded_cubin
 
-from dsa_aot.cutedsl_backend import (
-    DSL_RUNTIME_LIB,
-    BuildRequest,
-    CuteExportRecord,
-    build_cutedsl,
-    probe_isfinite,
-    read_record,
-)
-from dsa_aot.cutedsl_runtime import CuteRuntimeError, find_runtime_library, load_kernel
+from dsa_aot.backends import get as get_backend
+from dsa_aot.backends.cutedsl.build import BuildRequest, build_cutedsl, probe_isfinite, read_record
+from dsa_aot.backends.cutedsl.records import DSL_RUNTIME_LIB, CuteExportRecord
+from dsa_aot.backends.cutedsl.runtime import CuteRuntimeError, find_runtime_library, load_kernel
 
 ARCHES = ("sm_90a", "sm_100a")
 _CUDA = torch.cuda.is_available()
@@ -123,7 +118,7 @@ def test_isfinite_choice_changes_the_cubin(built: dict, arch: str) -> None:
 _LOAD_SCRIPT = r"""
 import json, sys, time
 t0 = time.perf_counter()
-from dsa_aot.cutedsl_runtime import CuteRuntimeError, load_kernel
+from dsa_aot.backends.cutedsl.runtime import CuteRuntimeError, load_kernel
 report = {}
 for folder in sys.argv[1:]:
     start = time.perf_counter()
@@ -250,12 +245,39 @@ def preprocess_ref(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, sin
     return delta, lse_sink, -(p * delta).sum(0), (p * delta).abs().sum(0)
 
 
+GPU_SPEC = "bwd-{arch}-d576-h64-compact-cutedsl"
+
+
 @pytest.fixture(scope="module")
-def artifacts(request: pytest.FixtureRequest) -> Path:
-    root = os.environ.get("DSA_AOT_CUTEDSL_ARTIFACTS")
-    if root:
-        return Path(root)
-    return request.getfixturevalue("built")["_dir"]
+def gpu_stages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """The loaded backward of this GPU's arch, keyed by isfinite variant: the spec built and
+    published by the production build path (the DSL probe picks isfinite), and a forced
+    ``use_isfinite=False`` build; both loaded by the backend."""
+    from dsa_aot.build import build_and_publish, manifest_for
+    from dsa_aot.cache.store import ArtifactStore
+    from dsa_aot.identity import can_key_builds
+    from dsa_aot.runners import StagedBwd
+    from dsa_aot.specs.models import KernelSpec
+    from dsa_aot.specs.toolchain import Toolchain
+
+    if not _CUDA:
+        pytest.skip("needs a CUDA GPU")
+    backend, toolchain = get_backend("cutedsl"), Toolchain.current()
+    why = can_key_builds(backend, toolchain)
+    if why:
+        pytest.skip(f"cannot build: {why}")
+    arch = "sm_100a" if torch.cuda.get_device_capability()[0] >= 10 else "sm_90a"
+    spec = KernelSpec.from_id(GPU_SPEC.format(arch=arch))
+    store = ArtifactStore(tmp_path_factory.mktemp("cutedsl-pre-post"))
+    done = build_and_publish(store, spec, toolchain)
+    assert done.manifest.features == {"cute_math_isfinite": True}, "this DSL has no cute.math.isfinite"
+    forced = backend.build(spec, use_isfinite=False)
+    loaded = {"isfinite": backend.load(done.manifest, done.read(store), 0),
+              "infcmp": backend.load(manifest_for(backend, spec, toolchain, forced), forced.files.__getitem__, 0)}
+    for variant, kernel in loaded.items():
+        assert isinstance(kernel, StagedBwd)
+        assert kernel.pre.record.use_isfinite is (variant == "isfinite")
+    return loaded
 
 
 def _run_preprocess(kernel, s_q: int, heads: int, seed: int) -> dict[str, torch.Tensor]:
@@ -278,12 +300,10 @@ def _run_preprocess(kernel, s_q: int, heads: int, seed: int) -> dict[str, torch.
 @pytest.mark.gpu
 @pytest.mark.skipif(not _CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("s_q,heads", [(1, 16), (37, 64), (300, 128)])
-def test_preprocess_matches_fp64(artifacts: Path, s_q: int, heads: int) -> None:
-    arch = "sm_100a" if torch.cuda.get_device_capability()[0] >= 10 else "sm_90a"
+def test_preprocess_matches_fp64(gpu_stages: dict, s_q: int, heads: int) -> None:
     results = []
     for variant in ("isfinite", "infcmp"):
-        kernel = load_kernel(artifacts / f"cutedsl_bwd_preprocess_{arch}_{variant}")
-        r = _run_preprocess(kernel, s_q, heads, seed=s_q)
+        r = _run_preprocess(gpu_stages[variant].pre, s_q, heads, seed=s_q)
         delta, lse_sink, d_sink, scale = preprocess_ref(r["out"], r["dout"], r["lse"], r["sink"])
         assert not r["delta"].isnan().any() and not r["lse_sink"].isnan().any()
         assert torch.isfinite(r["d_sink"]).all()
@@ -305,9 +325,8 @@ def test_preprocess_matches_fp64(artifacts: Path, s_q: int, heads: int) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("s_kv,d", [(1, 512), (777, 576), (4096, 576)])
-def test_postprocess_rounds_like_torch(artifacts: Path, s_kv: int, d: int) -> None:
-    arch = "sm_100a" if torch.cuda.get_device_capability()[0] >= 10 else "sm_90a"
-    kernel = load_kernel(artifacts / f"cutedsl_bwd_postprocess_{arch}")
+def test_postprocess_rounds_like_torch(gpu_stages: dict, s_kv: int, d: int) -> None:
+    kernel = gpu_stages["isfinite"].post
     acc = torch.randn(s_kv, d, device="cuda") * 1e3
     acc.view(-1)[::97] = 3.4e38              # rounds to +inf in bf16, like torch
     dkv = torch.full((s_kv, d), math.nan, device="cuda", dtype=torch.bfloat16)

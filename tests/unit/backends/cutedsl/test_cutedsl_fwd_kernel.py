@@ -7,9 +7,9 @@ carries the scalar by value where the C wrapper puts it; bad inputs raise clear 
 any CUDA call.
 GPU (``-m gpu``): numerics against the fp64 reference from NaN-poisoned outputs over both layouts,
 H 16/64/128, D 512/576, S_q {1, 62}, S_kv {95, 4096}, K {128, 300, 2048}, and every edge case of
-the contract. The artifacts come from ``DSA_AOT_CUTE_FWD_ARTIFACTS`` (a folder built by
-``python -m dsa_aot.cutedsl_backend build DIR --kernel fwd --link static_cudart``), else they
-are built here when the CuTe DSL is installed.
+the contract. Each variant is a cutedsl fwd spec built and published by
+:func:`dsa_aot.build.build_and_publish` and loaded by the backend; ``DSA_AOT_CUTE_FWD_IMPL``
+(``flavour[:num_stages]``) sets the spec's ``tile`` to test another MMA flavour.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import os
 import struct
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -28,20 +29,13 @@ import torch
 from cli_helpers import embedded_cubin
 from pydantic import ValidationError
 
-from dsa_aot.cutedsl_backend import (
-    FWD_DEFAULT_IMPL,
-    FWD_DEFAULT_KV_STAGES,
-    BuildRequest,
-    CuteExportRecord,
-    build_cutedsl,
-    read_record,
-)
-from dsa_aot.cutedsl_runtime import load_kernel
+from dsa_aot.backends.cutedsl.build import BuildRequest, build_cutedsl, read_record
+from dsa_aot.backends.cutedsl.records import FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES, CuteExportRecord
+from dsa_aot.backends.cutedsl.runtime import load_kernel
 from dsa_aot.kernels.reference import sparse_mla_fwd_ref
 
-ARTIFACTS_ENV = "DSA_AOT_CUTE_FWD_ARTIFACTS"
-#: Optional flavour of the GPU tests: ``impl[:kv_stages]``, e.g. ``mma`` or ``wgmma:1``
-#: (default: the arch's default impl and its default number of KV buffers).
+#: Optional flavour of the GPU tests: ``flavour[:num_stages]`` of the specs' tile, e.g. ``mma``
+#: or ``wgmma:1`` (default: the arch's default flavour and its default number of KV buffers).
 IMPL_ENV = "DSA_AOT_CUTE_FWD_IMPL"
 _CUDA = torch.cuda.is_available()
 _HAS_DSL = importlib.util.find_spec("cutlass") is not None
@@ -203,7 +197,7 @@ def test_build_request_validation() -> None:
 
 def test_cli_rejects_bad_combinations(tmp_path: Path) -> None:
     """A request that cannot be built is an error naming the problem (exit 2), no traceback."""
-    proc = subprocess.run([sys.executable, "-m", "dsa_aot.cutedsl_backend", "build",
+    proc = subprocess.run([sys.executable, "-m", "dsa_aot.backends.cutedsl.build", "build",
                            str(tmp_path), "--kernel", "fwd", "--arch", "sm_100a",
                            "--impl", "wgmma"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
@@ -263,42 +257,53 @@ def _gpu_flavour() -> tuple[str | None, int | None]:
     return impl or None, int(stages) if stages else None
 
 
-def _gpu_name(d_qk: int, heads: int, layout: str) -> str:
-    impl, stages = _gpu_flavour()
-    return fwd_name(_gpu_arch(), d_qk, heads, layout, stages, impl)
-
-
 GPU_VARIANTS = [(d, h, lay) for d in (512, 576) for h in (16, 32, 64, 128)
                 for lay in ("compact", "noncompact")]
 
 
 @pytest.fixture(scope="module")
-def gpu_artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The folder of the forward artifacts for this GPU's arch (prebuilt, or built here)."""
+def gpu_kernels(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int, str], object]:
+    """This GPU's arch: every variant as a cutedsl fwd spec (tile from ``DSA_AOT_CUTE_FWD_IMPL``),
+    built and published by the production build path, loaded by the backend; keyed by
+    ``(d_qk, heads, layout)``."""
+    from dsa_aot.backends import get as get_backend
+    from dsa_aot.build import build_and_publish
+    from dsa_aot.cache.store import ArtifactStore
+    from dsa_aot.identity import can_key_builds
+    from dsa_aot.runners import CuteFwd
+    from dsa_aot.specs.models import KernelSpec, TileConfig
+    from dsa_aot.specs.toolchain import Toolchain
+
     if not _CUDA:
         pytest.skip("needs a CUDA GPU")
+    backend, toolchain = get_backend("cutedsl"), Toolchain.current()
+    why = can_key_builds(backend, toolchain)
+    if why:
+        pytest.skip(f"cannot build: {why}")
     arch = _gpu_arch()
-    if os.environ.get(ARTIFACTS_ENV):
-        folder = Path(os.environ[ARTIFACTS_ENV])
-        missing = [_gpu_name(*v) for v in GPU_VARIANTS if not (folder / _gpu_name(*v)).is_dir()]
-        if missing:
-            pytest.fail(f"{ARTIFACTS_ENV}={folder} lacks {missing}")
-        return folder
-    if not _HAS_DSL:
-        pytest.skip(f"set {ARTIFACTS_ENV} or install nvidia-cutlass-dsl")
-    out = tmp_path_factory.mktemp("cute-fwd-gpu")
     impl, stages = _gpu_flavour()
-    build_cutedsl([fwd_request(arch, *v, stages, impl) for v in GPU_VARIANTS], out)
-    return out
+    store = ArtifactStore(tmp_path_factory.mktemp("cute-fwd-gpu"))
+    specs = {v: KernelSpec(op="fwd", arch=arch, d_qk=v[0], heads=v[1], layout=v[2], backend="cutedsl",
+                           tile=TileConfig(flavour=impl, num_stages=stages)) for v in GPU_VARIANTS}
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # one worker process each
+        done = dict(zip(specs, pool.map(lambda s: build_and_publish(store, s, toolchain), specs.values())))
+    kernels = {}
+    for variant, published in done.items():
+        record = CuteExportRecord.model_validate(published.manifest.stage("fwd").record)
+        assert (record.impl, record.kv_stages) == (
+            impl or FWD_DEFAULT_IMPL[arch], stages or FWD_DEFAULT_KV_STAGES[impl or FWD_DEFAULT_IMPL[arch]])
+        kernels[variant] = backend.load(published.manifest, published.read(store), 0)
+        assert isinstance(kernels[variant], CuteFwd)
+    return kernels
 
 
-def run_fwd(folder: Path, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
+def run_fwd(kernels: dict, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
             length: torch.Tensor | None, sink: torch.Tensor | None,
             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch of the matching artifact into NaN-poisoned outputs."""
+    """One launch of the matching loaded kernel into NaN-poisoned outputs."""
     s_q, heads, d_qk = q.shape
     layout = "compact" if length is not None else "noncompact"
-    kernel = load_kernel(folder / _gpu_name(d_qk, heads, layout))
+    kernel = kernels[(d_qk, heads, layout)].kernel  # the loaded library (tensors by name)
     out = torch.full((s_q, heads, 512), float("nan"), dtype=torch.bfloat16, device=q.device)
     lse = torch.full((s_q, heads), float("nan"), dtype=torch.float32, device=q.device)
     if sink is None:
@@ -340,9 +345,9 @@ def make_inputs(s_q: int, s_kv: int, k: int, heads: int, d_qk: int, layout: str,
     return dict(q=q, kv=kv, idx=idx, length=length, sink=sink)
 
 
-def check_against_reference(folder: Path, inp: dict, scale: float, out_tol: float = 1e-2,
+def check_against_reference(kernels: dict, inp: dict, scale: float, out_tol: float = 1e-2,
                             lse_tol: float = 1e-3) -> dict[str, float]:
-    out, lse = run_fwd(folder, inp["q"], inp["kv"], inp["idx"], inp["length"], inp["sink"], scale)
+    out, lse = run_fwd(kernels, inp["q"], inp["kv"], inp["idx"], inp["length"], inp["sink"], scale)
     ref_out, ref_lse = sparse_mla_fwd_ref(inp["q"], inp["kv"], inp["idx"], inp["length"],
                                           inp["sink"], scale)
     assert not torch.isnan(out).any(), "NaN in out (a poisoned element was not written)"
@@ -366,38 +371,38 @@ SHAPES = [(s_q, s_kv, k) for s_q in (1, 62) for s_kv in (95, 4096) for k in (128
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("variant", GPU_VARIANTS, ids=lambda v: "d%d-h%d-%s" % v)
-def test_gpu_variants(gpu_artifacts: Path, variant: tuple) -> None:
+def test_gpu_variants(gpu_kernels: dict, variant: tuple) -> None:
     """Every compiled variant on two shapes (rotating through the shape list)."""
     d_qk, heads, layout = variant
     i = GPU_VARIANTS.index(variant)
     for j, (s_q, s_kv, k) in enumerate((SHAPES[i % len(SHAPES)],
                                         SHAPES[(i + 5) % len(SHAPES)])):
         inp = make_inputs(s_q, s_kv, k, heads, d_qk, layout, seed=100 * i + j)
-        check_against_reference(gpu_artifacts, inp, d_qk ** -0.5)
+        check_against_reference(gpu_kernels, inp, d_qk ** -0.5)
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "sq%d-skv%d-k%d" % s)
 @pytest.mark.parametrize("layout", ["compact", "noncompact"])
-def test_gpu_shapes(gpu_artifacts: Path, shape: tuple, layout: str) -> None:
+def test_gpu_shapes(gpu_kernels: dict, shape: tuple, layout: str) -> None:
     s_q, s_kv, k = shape
     inp = make_inputs(s_q, s_kv, k, 64, 576, layout, seed=s_q * 7 + s_kv + k)
-    check_against_reference(gpu_artifacts, inp, 576 ** -0.5)
+    check_against_reference(gpu_kernels, inp, 576 ** -0.5)
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("layout", ["compact", "noncompact"])
-def test_gpu_sink_edges(gpu_artifacts: Path, layout: str) -> None:
+def test_gpu_sink_edges(gpu_kernels: dict, layout: str) -> None:
     inp = make_inputs(8, 300, 200, 64, 576, layout, seed=11)
     edges = [math.inf, -math.inf, 2.4e38, -2.4e38]
     inp["sink"][:4] = torch.tensor(edges, device="cuda")
     inp["sink"][4:8] = torch.tensor([30.0, -30.0, 0.0, 5.0], device="cuda")
     if inp["length"] is not None:
         inp["length"][0] = 0  # an empty row: out 0, lse +inf whatever the sink
-    check_against_reference(gpu_artifacts, inp, 576 ** -0.5)
-    out, lse = run_fwd(gpu_artifacts, inp["q"], inp["kv"], inp["idx"], inp["length"],
+    check_against_reference(gpu_kernels, inp, 576 ** -0.5)
+    out, lse = run_fwd(gpu_kernels, inp["q"], inp["kv"], inp["idx"], inp["length"],
                        inp["sink"], 576 ** -0.5)
     assert torch.all(out[:, 0] == 0) and torch.all(out[:, 2] == 0)  # sink +inf / 2.4e38
     assert torch.isfinite(out.float()).all()
@@ -406,7 +411,7 @@ def test_gpu_sink_edges(gpu_artifacts: Path, layout: str) -> None:
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("layout", ["compact", "noncompact"])
-def test_gpu_invalid_rows(gpu_artifacts: Path, layout: str) -> None:
+def test_gpu_invalid_rows(gpu_kernels: dict, layout: str) -> None:
     """All-invalid rows (every index out of range; lengths <= 0) and lengths > K."""
     inp = make_inputs(6, 95, 300, 16, 512, layout, seed=5)
     idx = inp["idx"]
@@ -416,18 +421,18 @@ def test_gpu_invalid_rows(gpu_artifacts: Path, layout: str) -> None:
     if inp["length"] is not None:
         inp["length"][:] = torch.tensor([300, 300, 0, -5, 301, 10**9], dtype=torch.int32,
                                         device="cuda")
-    out, lse = run_fwd(gpu_artifacts, inp["q"], inp["kv"], idx, inp["length"], inp["sink"],
+    out, lse = run_fwd(gpu_kernels, inp["q"], inp["kv"], idx, inp["length"], inp["sink"],
                        512 ** -0.5)
     empty_rows = [0, 1] + ([2, 3] if layout == "compact" else [])
     assert torch.all(torch.isposinf(lse[empty_rows]))
     assert torch.all(out[empty_rows] == 0)
-    check_against_reference(gpu_artifacts, inp, 512 ** -0.5)
+    check_against_reference(gpu_kernels, inp, 512 ** -0.5)
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("layout", ["compact", "noncompact"])
-def test_gpu_very_negative_scores(gpu_artifacts: Path, layout: str) -> None:
+def test_gpu_very_negative_scores(gpu_kernels: dict, layout: str) -> None:
     """Scores around -100 (lse < -80) with masked tail columns: no exp2(-lse)=inf, no NaN."""
     s_q, s_kv, k, h, d = 4, 500, 300, 64, 576
     inp = make_inputs(s_q, s_kv, k, h, d, layout, seed=3, oor=False)
@@ -441,28 +446,28 @@ def test_gpu_very_negative_scores(gpu_artifacts: Path, layout: str) -> None:
                    .to(torch.bfloat16))
     if inp["length"] is not None:
         inp["length"][:] = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    out, lse = run_fwd(gpu_artifacts, inp["q"], inp["kv"], inp["idx"], inp["length"],
+    out, lse = run_fwd(gpu_kernels, inp["q"], inp["kv"], inp["idx"], inp["length"],
                        inp["sink"], scale)
     assert torch.isfinite(lse).all() and (lse < -80).all()
-    check_against_reference(gpu_artifacts, inp, scale, lse_tol=2e-2)  # |lse| ~ 95: fp32 ulps
+    check_against_reference(gpu_kernels, inp, scale, lse_tol=2e-2)  # |lse| ~ 95: fp32 ulps
 
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_scale_is_a_runtime_value(gpu_artifacts: Path) -> None:
+def test_gpu_scale_is_a_runtime_value(gpu_kernels: dict) -> None:
     inp = make_inputs(5, 700, 333, 128, 512, "noncompact", seed=9)
     for scale in (0.3, 0.01):
-        check_against_reference(gpu_artifacts, inp, scale)
+        check_against_reference(gpu_kernels, inp, scale)
 
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_k_one_and_empty_batch(gpu_artifacts: Path) -> None:
+def test_gpu_k_one_and_empty_batch(gpu_kernels: dict) -> None:
     inp = make_inputs(3, 50, 1, 64, 512, "compact", seed=1, oor=False)
     inp["length"][:] = torch.tensor([1, 0, 7], dtype=torch.int32, device="cuda")
-    check_against_reference(gpu_artifacts, inp, 0.05)
+    check_against_reference(gpu_kernels, inp, 0.05)
     empty = make_inputs(1, 50, 4, 64, 512, "compact", seed=2)
     q0 = empty["q"][:0]
-    out, lse = run_fwd(gpu_artifacts, q0, empty["kv"], empty["idx"][:0], empty["length"][:0],
+    out, lse = run_fwd(gpu_kernels, q0, empty["kv"], empty["idx"][:0], empty["length"][:0],
                        empty["sink"], 0.05)
     assert out.shape == (0, 64, 512) and lse.shape == (0, 64)

@@ -14,12 +14,12 @@ import pytest
 
 pytest.importorskip("tilelang")
 
+from dsa_aot.backends.tilelang.build import compile_stage  # noqa: E402
+from dsa_aot.backends.tilelang.launch import LaunchRecord  # noqa: E402
 from dsa_aot.kernels.tilelang_bwd import build_bwd_main  # noqa: E402
 from dsa_aot.kernels.tilelang_bwd_postprocess import build_bwd_postprocess  # noqa: E402
 from dsa_aot.kernels.tilelang_bwd_preprocess import build_bwd_preprocess  # noqa: E402
-from dsa_aot.launch import LaunchRecord  # noqa: E402
 from dsa_aot.specs.models import KernelSpec, TileConfig  # noqa: E402
-from dsa_aot.tilelang_backend import compile_stage  # noqa: E402
 
 #: Largest opt-in dynamic shared memory per block on H100/H200 and B200 (227 KiB).
 MAX_SMEM = 232448

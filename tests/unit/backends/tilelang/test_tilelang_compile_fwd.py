@@ -9,10 +9,11 @@ import pytest
 
 pytest.importorskip("tilelang")
 
+from dsa_aot.backends import get as get_backend  # noqa: E402
+from dsa_aot.backends.tilelang.build import compile_stage  # noqa: E402
 from dsa_aot.kernels import tilelang_fwd  # noqa: E402
 from dsa_aot.kernels.tilelang_fwd import build_fwd, resolve_tile  # noqa: E402
 from dsa_aot.specs.models import KernelSpec, TileConfig  # noqa: E402
-from dsa_aot.tilelang_backend import compile_stage  # noqa: E402
 
 ARCHS = ("sm_90a", "sm_100a")
 MATRIX = list(itertools.product(ARCHS, (512, 576), (16, 32, 64, 128), ("noncompact", "compact")))
@@ -116,3 +117,13 @@ def test_rejects_backward_spec():
     spec = KernelSpec(op="bwd", arch="sm_90a", d_qk=576, heads=64, layout="noncompact")
     with pytest.raises(ValueError, match="bwd"):
         build_fwd(spec)
+
+
+@pytest.mark.parametrize("op", ["fwd", "bwd"])
+def test_backend_refuses_an_mma_flavour(op):
+    """``tile.flavour`` selects a CuTe DSL MMA flavour; the TileLang backend refuses it by name."""
+    spec = KernelSpec(op=op, arch="sm_90a", d_qk=576, heads=64, layout="compact",
+                      tile=TileConfig(flavour="wgmma"))
+    with pytest.raises(ValueError, match="tile.flavour='wgmma'"):
+        get_backend("tilelang").check_spec(spec)
+    get_backend("tilelang").check_spec(spec.model_copy(update={"tile": TileConfig(threads=256)}))
