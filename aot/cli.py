@@ -303,6 +303,7 @@ def _remote_report(cfg) -> dict[str, object]:
         out.update(url=remote.root, write=remote.writable, connect_timeout_s=cfg.remote_connect_timeout_s,
                    timeout_s=cfg.remote_timeout_s, ttl_s=cfg.remote_ttl_s, lease_s=cfg.remote_lease_s)
         try:
+            out["connect_and_ping_ms"] = round(remote.ping(), 3)
             out["ping_ms"] = round(remote.ping(), 3)
         except RemoteError as exc:
             out["unreachable"] = str(exc)

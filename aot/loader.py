@@ -278,7 +278,7 @@ class Loader:
         except Exception as exc:  # an unloadable artifact is a miss, not a crash
             self._once(f"could not load {entry.key}: {exc}", logging.WARNING)
             return None
-        store.record_hit(entry)
+        store.record_hit(entry, later=True)  # the advisory index: off the call path
         return kernel
 
     def build_and_load(self, spec: KernelSpec, device_index: int) -> tuple[Any, str]:

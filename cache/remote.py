@@ -115,7 +115,7 @@ class _Fetched:
     def quarantine(self, entry: Entry, reason: str) -> None:
         log.warning("dsa-aot: refused remote entry %s: %s", entry.key, reason)
 
-    def record_hit(self, entry: Entry) -> None:
+    def record_hit(self, entry: Entry, *, later: bool = False) -> None:
         pass
 
 
@@ -153,8 +153,11 @@ class RemoteStore:
                 from redis.backoff import NoBackoff
                 from redis.retry import Retry
             except ImportError:
-                raise RemoteError("DSA_AOT_REMOTE_URL is set but the redis package is not installed; "
-                                  "pip install 'dsa-aot[remote]'") from None
+                why = "the redis package is not installed; pip install 'dsa-aot[remote]'"
+                if self._down_until != float("inf"):
+                    log.warning("dsa-aot: remote cache %s not used: %s", self.root, why)
+                self._down_until = float("inf")
+                raise RemoteError(f"{self.root}: {why}") from None
             self._client_obj = redis.Redis.from_url(
                 self.url, socket_connect_timeout=self.connect_timeout_s, socket_timeout=self.timeout_s,
                 retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0)
@@ -168,10 +171,10 @@ class RemoteStore:
     def _call(self, what: str, fn: Callable[[Any], Any]) -> Any:
         """``fn(client)``; any failure raises RemoteError (a connection failure also starts the
         back-off during which the server is not asked at all)."""
+        client = self._client()
         if not self.available:
             raise RemoteError(f"{self.root} is unavailable (retrying in "
                               f"{self._down_until - time.monotonic():.0f} s)")
-        client = self._client()
         import redis
 
         try:
@@ -282,7 +285,7 @@ class RemoteStore:
         files = self.fetch(entry)
         if into is not None:
             try:
-                return into, into.publish_entry(entry.meta, files)
+                return into, into.publish_entry(entry.meta, files, index_later=True)
             except (OSError, CacheError) as exc:
                 if isinstance(exc, CorruptArtifact):
                     raise
@@ -296,7 +299,7 @@ class RemoteStore:
     def quarantine(self, entry: Entry, reason: str) -> None:
         log.warning("dsa-aot: remote entry %s on %s is bad: %s", entry.key, self.root, reason)
 
-    def record_hit(self, entry: Entry) -> None:
+    def record_hit(self, entry: Entry, *, later: bool = False) -> None:
         pass
 
     # -- writing --------------------------------------------------------------------------

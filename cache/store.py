@@ -21,6 +21,7 @@ import re
 import shutil
 import socket
 import stat
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -205,6 +206,7 @@ class ArtifactStore:
         self.read_only = read_only
         self.lock_timeout_s = lock_timeout_s
         self._index = None
+        self._index_lock = threading.Lock()
 
     # -- paths ---------------------------------------------------------------------------
     def entry_dir(self, fingerprint: str, arch: str, spec_id: str) -> Path:
@@ -331,10 +333,11 @@ class ArtifactStore:
                          payload=payload or {}, payload_sha256=payload_sha256(payload or {}))
         return self._publish(meta if signer is None else signer.sign(meta), files)
 
-    def publish_entry(self, meta: EntryMeta, files: dict[str, bytes]) -> Entry:
+    def publish_entry(self, meta: EntryMeta, files: dict[str, bytes], *, index_later: bool = False) -> Entry:
         """Publish a copy of an entry from elsewhere (a bundle, the remote tier) with its
         ``meta.json`` unchanged, signature included. Raises CorruptArtifact unless ``files`` are
-        exactly the meta's files, byte for byte."""
+        exactly the meta's files, byte for byte. ``index_later``: the advisory index is updated
+        off the caller's path (see :meth:`record_hit`)."""
         if set(files) != set(meta.files):
             raise CorruptArtifact(f"{meta.spec_id}: files {sorted(files)} are not those of its meta "
                                   f"{sorted(meta.files)}")
@@ -344,9 +347,9 @@ class ArtifactStore:
                 raise CorruptArtifact(f"{meta.spec_id}/{name}: sha256 mismatch")
         if not meta.payload_intact():
             raise CorruptArtifact(f"{meta.spec_id}: payload sha256 mismatch")
-        return self._publish(meta, files)
+        return self._publish(meta, files, index_later)
 
-    def _publish(self, meta: EntryMeta, files: dict[str, bytes]) -> Entry:
+    def _publish(self, meta: EntryMeta, files: dict[str, bytes], index_later: bool = False) -> Entry:
         if self.read_only:
             raise CacheError(f"{self.root} is a read-only cache root")
         fingerprint, arch, spec_id = meta.fingerprint, meta.arch, meta.spec_id
@@ -379,7 +382,7 @@ class ArtifactStore:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
         entry = Entry(path=final, meta=meta)
-        self._index_update(entry, created=True)
+        self._index_update(entry, created=True, later=index_later)
         return entry
 
     def quarantine(self, entry: Entry, reason: str) -> None:
@@ -428,10 +431,11 @@ class ArtifactStore:
 
     # -- index and gc --------------------------------------------------------------------
     def _open_index(self):
-        if self._index is None and not self.read_only:
-            import diskcache
+        with self._index_lock:
+            if self._index is None and not self.read_only:
+                import diskcache
 
-            self._index = diskcache.Cache(str(self.root / INDEX), timeout=5, disk=_json_only_disk())
+                self._index = diskcache.Cache(str(self.root / INDEX), timeout=5, disk=_json_only_disk())
         return self._index
 
     def _index_record(self, key: str) -> dict[str, Any] | None:
@@ -442,8 +446,11 @@ class ArtifactStore:
             return None
         return rec if isinstance(rec, dict) else None
 
-    def _index_update(self, entry: Entry, *, created: bool = False, hit: bool = False) -> None:
+    def _index_update(self, entry: Entry, *, created: bool = False, hit: bool = False, later: bool = False) -> None:
         if self.read_only:
+            return
+        if later:  # one writer thread per process, drained before the interpreter exits
+            _index_writer().submit(self._index_update, entry, created=created, hit=hit)
             return
         try:
             index = self._open_index()
@@ -456,8 +463,10 @@ class ArtifactStore:
         except Exception as exc:  # advisory index: never fail a load or a publish
             log.debug("dsa-aot: cache index update failed for %s: %s", entry.key, exc)
 
-    def record_hit(self, entry: Entry) -> None:
-        self._index_update(entry, hit=True)
+    def record_hit(self, entry: Entry, *, later: bool = False) -> None:
+        """Count a use of ``entry`` in the index; ``later``: in the background (the loader's
+        first call does not wait for SQLite, e.g. creating the index of an empty cache)."""
+        self._index_update(entry, hit=True, later=later)
 
     def stats(self, entry: Entry) -> dict[str, Any]:
         """Index record of an entry: size, hits, created, last_used (empty if unknown)."""
@@ -506,6 +515,22 @@ class ArtifactStore:
             log.debug("dsa-aot: cache index cleanup failed: %s", exc)
         shutil.rmtree(self.root / QUARANTINE, ignore_errors=True)
         return GcReport(removed_fps, removed, freed, total)
+
+
+_WRITER: tuple[int, Any] | None = None
+_WRITER_LOCK = threading.Lock()
+
+
+def _index_writer():
+    """The process's index-writer thread pool (one thread; recreated after a fork). Its pending
+    updates run before the interpreter exits (``concurrent.futures`` joins its threads)."""
+    global _WRITER
+    with _WRITER_LOCK:
+        if _WRITER is None or _WRITER[0] != os.getpid():
+            from concurrent.futures import ThreadPoolExecutor
+
+            _WRITER = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsa-aot-index"))
+        return _WRITER[1]
 
 
 def _json_only_disk():
