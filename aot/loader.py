@@ -85,6 +85,7 @@ class Loader:
         self._features = None
         self._stores: list[ArtifactStore] | None = None
         self._ranking: dict[str, list[str]] | None = None
+        self._buckets: dict[tuple[str, str, str], list[int]] | None = None
         self._keys: dict[str, tuple[str | None, str | None]] = {}
 
     # -- environment -----------------------------------------------------------------------
@@ -149,10 +150,18 @@ class Loader:
             self._ranking = load_ranking()
         return [b for b in self._ranking.get(op, ["tilelang"]) if b in BACKENDS]
 
+    def topk_widths(self, backend: str, op: str, arch: str) -> list[int]:
+        """The catalog's top-k buckets of a backend whose ``op`` kernels are specialised on the width."""
+        if self._buckets is None:
+            from dsa_aot.specs.catalog import load_topk_buckets
+
+            self._buckets = load_topk_buckets()
+        return self._buckets.get((backend, op, arch), [])
+
     def reset(self) -> None:
         """Forget everything derived from settings and the environment."""
         with self._lock:
-            self._toolchain = self._features = self._stores = self._ranking = None
+            self._toolchain = self._features = self._stores = self._ranking = self._buckets = None
             self._keys = {}
 
     def _once(self, message: str, level: int = logging.INFO) -> None:
@@ -307,24 +316,70 @@ class Loader:
             source = f"remote:{done.pulled_from}"
         return kernel, source
 
-    def resolve(self, op: str, arch: str, d_qk: int, heads: int, layout: str, device_index: int) -> tuple[Any, Resolution]:
+    def resolve(self, op: str, arch: str, d_qk: int, heads: int, layout: str, device_index: int, *,
+                skip: frozenset[str] = frozenset()) -> tuple[Any, Resolution]:
         """The kernel to run for one call shape, walking the fallback chain.
 
         Every backend's stored artifact (in ranking order) is tried before anything is
         compiled: a prebuilt kernel of the second backend beats a JIT build of the first.
+        A backend whose kernels are specialised on the top-k width is served through
+        :class:`~dsa_aot.runners.TopkBuckets` (its spec here is its widest catalog bucket) once
+        any bucket is stored, or can be compiled; ``skip`` leaves backends out.
         """
         with self._lock:
-            specs = [KernelSpec(op=op, arch=arch, d_qk=d_qk, heads=heads, layout=layout, backend=name)
-                     for name in self.ranking(op) if BACKENDS[name].implements(op)]
+            specs = [self._spec(op, arch, d_qk, heads, layout, name) for name in self.ranking(op)
+                     if BACKENDS[name].implements(op) and name not in skip]
             for spec in specs:
-                hit = self.try_load(spec, device_index)
+                hit = self._stored_buckets(spec, device_index, skip) if spec.topk else self.try_load(spec, device_index)
                 if hit is not None:
                     if spec is not specs[0]:
                         self._once(f"{specs[0].id} is not stored; using the stored {spec.id}")
                     return hit[0], Resolution(spec, hit[1], (), hit[2])
             if _settings.get().require_prebuilt and specs:
                 raise MissingPrebuiltError(self._missing_message(specs))
-            return self._jit_or_reference(op, arch, d_qk, heads, layout, specs, device_index)
+            return self._jit_or_reference(op, arch, d_qk, heads, layout, specs, device_index, skip)
+
+    def _spec(self, op: str, arch: str, d_qk: int, heads: int, layout: str, backend: str) -> KernelSpec:
+        widths = self.topk_widths(backend, op, arch) if op in BACKENDS[backend].topk_ops else []
+        return KernelSpec(op=op, arch=arch, d_qk=d_qk, heads=heads, layout=layout, backend=backend,
+                          topk=widths[-1] if widths else None)
+
+    def _stored_buckets(self, spec: KernelSpec, device_index: int, skip: frozenset[str]) -> tuple[Any, str, str] | None:
+        """The top-k buckets of ``spec``'s backend when any of them is stored (loaded per width on use)."""
+        for width in self.topk_widths(spec.backend, spec.op, spec.arch):
+            if any(self.find(store, spec.model_copy(update={"topk": width})) for store in self.stores()):
+                return self._buckets_of(spec, device_index, skip), "buckets", "per bucket"
+        return None
+
+    def _buckets_of(self, spec: KernelSpec, device_index: int, skip: frozenset[str]) -> Any:
+        from dsa_aot.runners import TopkBuckets
+
+        def at(width: int) -> KernelSpec:
+            return KernelSpec(**{**spec.model_dump(), "topk": width})
+
+        def load(width: int) -> Any | None:
+            hit = self.try_load(at(width), device_index)
+            return None if hit is None else hit[0]
+
+        def jit(width: int) -> Any | None:
+            wanted = at(width)
+            reason = "not prebuilt (DSA_AOT_REQUIRE_PREBUILT=1)" if _settings.get().require_prebuilt else \
+                self._jit_blocker(wanted)
+            if reason is None:
+                try:
+                    return self.build_and_load(wanted, device_index)[0]
+                except (BuildError, OSError, CacheError, TimeoutError, CudaError) as exc:
+                    reason = f"JIT build failed: {exc}"
+            self._once(f"{wanted.id}: {reason}; trying the next backend", logging.WARNING)
+            return None
+
+        def fallback() -> Any:
+            self._once(f"no {spec.backend} {spec.op} bucket of {self.topk_widths(spec.backend, spec.op, spec.arch)} "
+                       f"serves a call of {spec.id[:spec.id.rindex('-')]}; using the next backend")
+            return self.resolve(spec.op, spec.arch, spec.d_qk, spec.heads, spec.layout, device_index,
+                                skip=skip | {spec.backend})[0]
+
+        return TopkBuckets(spec.op, self.topk_widths(spec.backend, spec.op, spec.arch), load, jit, fallback)
 
     def _missing_message(self, specs: list[KernelSpec]) -> str:
         wanted = " or ".join(s.id for s in specs)
@@ -335,10 +390,13 @@ class Loader:
                 "unset DSA_AOT_REQUIRE_PREBUILT.")
 
     def _jit_or_reference(self, op: str, arch: str, d_qk: int, heads: int, layout: str,
-                          specs: list[KernelSpec], device_index: int) -> tuple[Any, Resolution]:
+                          specs: list[KernelSpec], device_index: int,
+                          skip: frozenset[str] = frozenset()) -> tuple[Any, Resolution]:
         reasons: list[str] = []
         for spec in specs:
             reason = self._jit_blocker(spec)
+            if reason is None and spec.topk:  # compiled per bucket on first use
+                return self._buckets_of(spec, device_index, skip), Resolution(spec, "jit:buckets", tuple(reasons))
             if reason is None:
                 try:
                     kernel, source = self.build_and_load(spec, device_index)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
+import threading
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,6 +46,57 @@ except AttributeError:  # pragma: no cover - older torch
 def current_stream(device: torch.device) -> int:
     """The caller's current CUDA stream on ``device``, as an int handle."""
     return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pad_topk(topk_idxs: torch.Tensor, topk_length: torch.Tensor | None, width: int,
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``topk_idxs`` [S_q, K] padded with -1 to ``width`` columns; in the compact layout the lengths
+    are clamped to K, so the padded slots never count. Unchanged when K is the width already."""
+    k = topk_idxs.shape[1]
+    if k == width:
+        return topk_idxs, topk_length
+    padded = torch.nn.functional.pad(topk_idxs, (0, width - k), value=-1)
+    return padded, None if topk_length is None else torch.clamp(topk_length, max=k)
+
+
+class TopkBuckets:
+    """One backend whose kernels are specialised on the top-k width, as one fwd or bwd kernel.
+
+    A call of width K runs the narrowest stored bucket >= K (``load(width)``, no compile), else
+    compiles the narrowest fitting bucket (``jit(width)``, when allowed), with ``topk_idxs`` padded
+    by :func:`pad_topk`; a K wider than every bucket, or a miss, goes to ``fallback()`` (the next
+    backends of the ranking). Each width is resolved once per process.
+    """
+
+    def __init__(self, op: str, widths: list[int], load: Callable[[int], Any | None],
+                 jit: Callable[[int], Any | None], fallback: Callable[[], Any]) -> None:
+        self.op, self.widths = op, sorted(widths)
+        self._load, self._jit, self._fallback = load, jit, fallback
+        self._idx = 2 if op == "fwd" else 5  # topk_idxs' position; topk_length follows it
+        self._by_k: dict[int, tuple[Any, int | None]] = {}
+        self._lock = threading.Lock()
+
+    def kernel_for(self, k: int) -> tuple[Any, int | None]:
+        """``(kernel, bucket width)`` for a call of width ``k`` (width None: the fallback's kernel)."""
+        hit = self._by_k.get(k)
+        if hit is not None:
+            return hit
+        with self._lock:
+            if k not in self._by_k:
+                fitting = self.widths[bisect.bisect_left(self.widths, k):]
+                found = next(((kern, w) for w in fitting if (kern := self._load(w)) is not None), None)
+                if found is None and fitting and (kern := self._jit(fitting[0])) is not None:
+                    found = (kern, fitting[0])
+                self._by_k[k] = found or (self._fallback(), None)
+            return self._by_k[k]
+
+    def __call__(self, *args: Any) -> Any:
+        i = self._idx
+        kernel, width = self.kernel_for(args[i].shape[1])
+        if width is None:
+            return kernel(*args)
+        idxs, lengths = pad_topk(args[i], args[i + 1], width)
+        return kernel(*args[:i], idxs, lengths, *args[i + 2:])
 
 
 class CubinFwd(FwdKernel):

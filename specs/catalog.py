@@ -24,6 +24,8 @@ class MatrixBlock(BaseModel):
     layouts: list[Layout]
     backends: list[Backend] = ["tilelang"]
     tile: TileConfig = TileConfig()
+    topk: list[int] | None = Field(None, description="top-k buckets, for backends whose kernels are "
+                                   "specialised on the width (None: the width is a run-time value)")
 
 
 DEFAULT_RANKING: dict[str, list[str]] = {"fwd": ["tilelang"], "bwd": ["tilelang"]}
@@ -45,13 +47,14 @@ class Catalog(BaseModel):
 
         seen: dict[str, KernelSpec] = {}
         for block in self.matrix:
-            for op, arch, d, h, layout, name in itertools.product(
-                    block.ops, block.archs, block.d_qk, block.heads, block.layouts, block.backends):
+            for op, arch, d, h, layout, name, topk in itertools.product(
+                    block.ops, block.archs, block.d_qk, block.heads, block.layouts, block.backends,
+                    block.topk or [None]):
                 backend = get(name)
                 if not backend.implements(op) or (implemented is not None and (name, op) not in implemented):
                     continue
                 spec = KernelSpec(op=op, arch=arch, d_qk=d, heads=h, layout=layout,
-                                  backend=name, tile=block.tile)
+                                  backend=name, tile=block.tile, topk=topk)
                 backend.check_spec(spec)
                 seen.setdefault(spec.id, spec)
         return list(seen.values())
@@ -93,6 +96,24 @@ def load_ranking(path: Path | str | None = None) -> dict[str, list[str]]:
             raise ValueError(f"catalog {path}: ranking {op} = {names!r}; ops are {sorted(ops)}, "
                              f"backends {sorted(backends)}")
     return {op: list(names) for op, names in ranking.items()}
+
+
+def load_topk_buckets(path: Path | str | None = None) -> dict[tuple[str, str, str], list[int]]:
+    """``{(backend, op, arch): sorted top-k buckets}`` of the catalog's ``topk`` lists.
+
+    The runtime loader's path, read from the raw TOML like :func:`load_ranking`: a backend whose
+    kernels are specialised on the width is looked up by the narrowest bucket that fits a call.
+    """
+    _, data = _read(path)
+    found: dict[tuple[str, str, str], set[int]] = {}
+    for block in data.get("matrix", []):
+        widths = block.get("topk") if isinstance(block, dict) else None
+        if not widths:
+            continue
+        for backend, op, arch in itertools.product(block.get("backends", ["tilelang"]), block.get("ops", []),
+                                                   block.get("archs", [])):
+            found.setdefault((backend, op, arch), set()).update(int(w) for w in widths)
+    return {k: sorted(v) for k, v in found.items()}
 
 
 def select(specs: list[KernelSpec], *, archs: list[str] | None = None, only: list[str] | None = None,

@@ -52,8 +52,9 @@ class TileConfig(BaseModel):
 class KernelSpec(BaseModel):
     """One compiled variant: an op for one (arch, D_qk, heads, layout, backend).
 
-    The sequence lengths and the top-k width are run-time values of every variant, so one
-    artifact serves any batch. ``softmax_scale`` and ``attn_sink`` are run-time arguments too.
+    The sequence lengths are run-time values of every variant, so one artifact serves any batch;
+    so is the top-k width unless ``topk`` names the width a kernel is specialised on (a bucket:
+    narrower calls are padded to it). ``softmax_scale`` and ``attn_sink`` are run-time arguments.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -68,6 +69,9 @@ class KernelSpec(BaseModel):
     dtype: Literal["bfloat16"] = "bfloat16"
     backend: Backend = "tilelang"
     tile: TileConfig = TileConfig()
+    topk: int | None = Field(None, gt=0, le=1 << 16,
+                             description="the top-k width a backend's kernel is specialised on (its "
+                             "bucket: calls pad to it); None for kernels taking any width at run time")
 
     @model_validator(mode="after")
     def _check_supported(self) -> KernelSpec:
@@ -83,9 +87,12 @@ class KernelSpec(BaseModel):
     def id(self) -> str:
         """Stable readable id, e.g. ``bwd-sm_90a-d576-h64-compact-tilelang``.
 
-        A non-default tile config appends a short hash of it, so tuned variants never collide.
+        A top-k bucket appends ``-k<topk>``; a non-default tile config a short hash of it, so
+        tuned variants never collide.
         """
         base = f"{self.op}-{self.arch}-d{self.d_qk}-h{self.heads}-{self.layout}-{self.backend}"
+        if self.topk is not None:
+            base += f"-k{self.topk}"
         tile = self.tile.model_dump(exclude_none=True)
         if not tile:
             return base
@@ -98,10 +105,15 @@ class KernelSpec(BaseModel):
 
     @classmethod
     def from_id(cls, spec_id: str) -> KernelSpec:
-        """Parse a default-tile id such as ``fwd-sm_90a-d576-h64-noncompact-tilelang``."""
+        """Parse a default-tile id such as ``fwd-sm_90a-d576-h64-noncompact-tilelang`` (or
+        ``bwd-sm_90a-d576-h64-noncompact-cudnn-k2048`` with a top-k bucket)."""
         parts = spec_id.split("-")
+        topk = None
+        if len(parts) == 7 and parts[6][:1] == "k" and parts[6][1:].isdigit():
+            topk = int(parts.pop()[1:])
         if len(parts) != 6 or not parts[2].startswith("d") or not parts[3].startswith("h"):
-            raise ValueError(
-                f"{spec_id!r} is not a spec id; expected <op>-<arch>-d<d_qk>-h<heads>-<layout>-<backend>")
+            raise ValueError(f"{spec_id!r} is not a spec id; expected "
+                             "<op>-<arch>-d<d_qk>-h<heads>-<layout>-<backend>[-k<topk>]")
         op, arch, d, h, layout, backend = parts
-        return cls(op=op, arch=arch, d_qk=int(d[1:]), heads=int(h[1:]), layout=layout, backend=backend)
+        return cls(op=op, arch=arch, d_qk=int(d[1:]), heads=int(h[1:]), layout=layout, backend=backend,
+                   topk=topk)

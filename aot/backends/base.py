@@ -90,6 +90,9 @@ class KernelBackend(ABC):
     compiler_module: ClassVar[str]
     #: Whether the CUDA toolkit (nvcc, its static runtime) takes part in the build.
     uses_cuda_toolkit: ClassVar[bool] = True
+    #: Ops whose kernels are specialised on the top-k width: their specs name a bucket
+    #: (``KernelSpec.topk``) and calls are padded to it; the other ops take any width.
+    topk_ops: ClassVar[frozenset[str]] = frozenset()
 
     def implements(self, op: str) -> bool:
         return op in self.stages
@@ -103,6 +106,10 @@ class KernelBackend(ABC):
         """Raise ``ValueError`` naming the field when a field of ``spec`` cannot drive the build."""
         if not self.implements(spec.op):
             raise ValueError(f"{spec.id}: backend {self.name} has no {spec.op} kernel")
+        if (spec.topk is not None) != (spec.op in self.topk_ops):
+            raise ValueError(f"{spec.id}: the {self.name} {spec.op} kernel " + (
+                "is specialised on the top-k width; name its bucket (topk)" if spec.topk is None else
+                f"takes any top-k width at run time; topk={spec.topk} cannot be honoured (leave it unset)"))
 
     def missing_compiler(self) -> str | None:
         """Why this process cannot compile for this backend (None: it can)."""
