@@ -23,8 +23,9 @@ CHILD = Path(__file__).with_name("_key_edits_child.py")
 
 
 def _ids(specs: list[str], op: str | None = None, backend: str | None = None) -> list[str]:
+    """Spec ids of ``op`` and ``backend`` (an id's sixth field, before any ``-k<topk>`` bucket)."""
     return sorted(s for s in specs if (op is None or s.startswith(op + "-"))
-                  and (backend is None or s.endswith("-" + backend)))
+                  and (backend is None or s.split("-")[5] == backend))
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +57,17 @@ BUILD = {
     "dsa_aot/backends/tilelang/build.py": [(None, "tilelang")],
     "dsa_aot/backends/tilelang/launch.py": [(None, "tilelang")],  # its LaunchRecord is built
     "dsa_aot/backends/tilelang/__init__.py": [(None, "tilelang")],
-    "dsa_aot/backends/cutedsl/build.py": [(None, "cutedsl")],
-    "dsa_aot/backends/cutedsl/worker.py": [(None, "cutedsl")],
-    "dsa_aot/backends/cutedsl/records.py": [(None, "cutedsl")],
-    "dsa_aot/backends/cutedsl/__init__.py": [(None, "cutedsl")],
-    "dsa_aot/toolkit.py": [(None, "cutedsl")],  # the toolkit whose static runtime is linked in
-    "dsa_aot/settings.py": [(None, "cutedsl")],  # CC, the toolkit root
+    # the cudnn backend builds through the CuTe DSL backend's worker, header checks and link
+    "dsa_aot/backends/cutedsl/build.py": [(None, "cutedsl"), (None, "cudnn")],
+    "dsa_aot/backends/cutedsl/worker.py": [(None, "cutedsl"), (None, "cudnn")],
+    "dsa_aot/backends/cutedsl/records.py": [(None, "cutedsl"), (None, "cudnn")],
+    "dsa_aot/backends/cutedsl/__init__.py": [(None, "cutedsl"), (None, "cudnn")],
+    "dsa_aot/backends/cudnn/kernels.py": [(None, "cudnn")],  # every cudnn stage's compile function
+    "dsa_aot/backends/cudnn/build.py": [(None, "cudnn")],
+    "dsa_aot/backends/cudnn/records.py": [(None, "cudnn")],
+    "dsa_aot/backends/cudnn/__init__.py": [(None, "cudnn")],
+    "dsa_aot/toolkit.py": [(None, "cutedsl"), (None, "cudnn")],  # the toolkit whose static runtime is linked in
+    "dsa_aot/settings.py": [(None, "cutedsl"), (None, "cudnn")],  # CC, the toolkit root
     "dsa_aot/specs/models.py": [(None, "tilelang")],  # TileLang kernels read the KernelSpec
     "dsa_aot/backends/base.py": [(None, None)],
 }
@@ -69,19 +75,24 @@ BUILD = {
 NO_BUILD = ["dsa_aot/loader.py", "dsa_aot/ops.py", "dsa_aot/cli.py", "dsa_aot/build.py", "dsa_aot/prebuild.py",
             "dsa_aot/identity.py", "dsa_aot/runners.py", "dsa_aot/validate.py", "dsa_aot/kernels/reference.py",
             "dsa_aot/backends/tilelang/runtime.py", "dsa_aot/backends/cutedsl/runtime.py",
+            "dsa_aot/backends/cudnn/runtime.py",
             "dsa_aot/cache/store.py", "dsa_aot/cache/bundle.py", "dsa_aot/specs/catalog.py",
             "dsa_aot/specs/keys.py", "dsa_aot/specs/probes.py", "dsa_aot/specs/toolchain.py"]
 #: file -> backends whose RUNTIME identity must change (load code and kernel sources).
 RUNTIME = {
     "dsa_aot/backends/tilelang/runtime.py": ["tilelang"],
-    "dsa_aot/backends/cutedsl/runtime.py": ["cutedsl"],
-    "dsa_aot/runners.py": ["tilelang", "cutedsl"],
+    "dsa_aot/backends/cutedsl/runtime.py": ["cutedsl", "cudnn"],  # cudnn loads through it
+    "dsa_aot/backends/cudnn/runtime.py": ["cudnn"],
+    "dsa_aot/backends/cudnn/records.py": ["cudnn"],
+    "dsa_aot/runners.py": ["tilelang", "cutedsl", "cudnn"],
     "dsa_aot/kernels/tilelang_fwd.py": ["tilelang"],
     "dsa_aot/kernels/cutedsl_bwd_main.py": ["cutedsl"],
     "dsa_aot/loader.py": [],
     "dsa_aot/cli.py": [],
     "dsa_aot/backends/tilelang/build.py": [],
     "dsa_aot/backends/cutedsl/worker.py": [],
+    "dsa_aot/backends/cudnn/kernels.py": ["cudnn"],
+    "dsa_aot/backends/cudnn/build.py": [],
 }
 
 
@@ -102,7 +113,7 @@ def test_editing_code_no_build_reads_keeps_every_key(report, name):
 def test_runtime_identity_follows_load_code_and_kernel_sources(report, name):
     specs = report["specs"]
     want = sorted(s for backend in RUNTIME[name] for s in _ids(specs, backend=backend))
-    if name.startswith("dsa_aot/kernels/"):  # a kernel file: the specs built from it only
+    if name.startswith("dsa_aot/kernels/") or name.endswith("/kernels.py"):  # a kernel file: its specs only
         want = report["edits"][name]["build"]
     assert report["edits"][name]["runtime"] == want
 
