@@ -81,6 +81,9 @@ class Signer:
         """Write the private key (mode 0600, refusing to overwrite) and ``<path>.pub``."""
         path = Path(path)
         pub = path.with_name(path.name + ".pub")
+        for target in (path, pub):
+            if target.exists():
+                raise FileExistsError(f"{target} exists; not overwriting a key")
         for target, data, mode in ((path, self.private_pem(), 0o600), (pub, self.public_pem, 0o644)):
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
             with os.fdopen(fd, "wb") as fh:

@@ -54,6 +54,8 @@ def test_push_pull_status(tmp_path, redis_server):
     status = json.loads(cli("status", "--remote", "--json", *ONLY, root=dest, env=env).stdout)
     assert {v["local"] for v in status.values()} == {"cached"}
     assert "present       3" in cli("pull", "-q", *ONLY, root=dest, env=env).stdout
+    doctor = json.loads(cli("doctor", *ONLY, root=dest, env=env).stdout)["remote"]
+    assert doctor["url"] == redis_server.url and doctor["write"] is False and doctor["ping_ms"] > 0
 
 
 def test_prebuild_push_sends_cached_entries(tmp_path, redis_server):

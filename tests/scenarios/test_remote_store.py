@@ -71,3 +71,28 @@ def test_without_the_redis_package_the_remote_is_a_miss(tmp_path, redis_server, 
     assert remote.lookup("k1", "sm_90a", "spec-a") is None
     with pytest.raises(RemoteError, match=r"dsa-aot\[remote\]"):
         remote.ping()
+
+
+@pytest.mark.parametrize("value", ["http://host:6379", "redis://", "redis://host:port/0", "host:6379"])
+def test_a_bad_remote_url_names_the_variable(monkeypatch, value):
+    from dsa_aot.settings import Settings, SettingsError
+
+    monkeypatch.setenv("DSA_AOT_REMOTE_URL", value)
+    with pytest.raises(SettingsError, match="DSA_AOT_REMOTE_URL"):
+        Settings.from_env()
+
+
+def test_remote_settings_defaults_and_values(monkeypatch):
+    from dsa_aot.settings import Settings
+
+    for name in ("DSA_AOT_REMOTE_URL", "DSA_AOT_REMOTE_WRITE", "DSA_AOT_REMOTE_CONNECT_TIMEOUT",
+                 "DSA_AOT_TRUSTED_KEYS"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = Settings.from_env()
+    assert (cfg.remote_url, cfg.remote_write, cfg.trusted_keys) == (None, False, ())
+    assert cfg.remote_connect_timeout_s <= 0.1 and cfg.remote_timeout_s <= 1.0
+    monkeypatch.setenv("DSA_AOT_REMOTE_URL", "redis://127.0.0.1:6379/2")
+    monkeypatch.setenv("DSA_AOT_REMOTE_WRITE", "1")
+    monkeypatch.setenv("DSA_AOT_TRUSTED_KEYS", "/a.pub:/keys")
+    cfg = Settings.from_env()
+    assert cfg.remote_url.endswith("/2") and cfg.remote_write and [str(p) for p in cfg.trusted_keys] == ["/a.pub", "/keys"]
