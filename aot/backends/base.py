@@ -51,6 +51,13 @@ class StageArtifact(BaseModel):
 OP_STAGES: dict[str, tuple[str, ...]] = {"fwd": ("fwd",), "bwd": ("bwd_preprocess", "bwd_main", "bwd_postprocess")}
 
 
+def stage_modules(prefix: str, **names: str) -> dict[str, str]:
+    """``{stage: prefix + file}`` for the stages of :data:`OP_STAGES`; ``names`` overrides a
+    stage's file name (default: the stage name), e.g. ``bwd_main="bwd"``."""
+    stages = dict.fromkeys(s for op in OP_STAGES.values() for s in op)
+    return {stage: prefix + names.get(stage, stage) for stage in stages}
+
+
 class BuildError(RuntimeError):
     """Compiling a spec failed; the message carries the compiler's first error line."""
 

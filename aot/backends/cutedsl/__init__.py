@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsa_aot.backends.base import OP_STAGES, BuildError, Built, KernelBackend, StageArtifact, check_params, first_error_line
+from dsa_aot.backends.base import OP_STAGES, stage_modules, BuildError, Built, KernelBackend, StageArtifact, check_params, first_error_line
 
 if TYPE_CHECKING:
     from dsa_aot.artifact import ArtifactManifest
@@ -27,10 +27,7 @@ if TYPE_CHECKING:
 class CuteDslBackend(KernelBackend):
     name = "cutedsl"
     stages = OP_STAGES
-    kernel_modules = {"fwd": "dsa_aot.kernels.cutedsl_fwd",
-                      "bwd_preprocess": "dsa_aot.kernels.cutedsl_bwd_preprocess",
-                      "bwd_main": "dsa_aot.kernels.cutedsl_bwd_main",
-                      "bwd_postprocess": "dsa_aot.kernels.cutedsl_bwd_postprocess"}
+    kernel_modules = stage_modules("dsa_aot.kernels.cutedsl_")
     build_modules = ("dsa_aot.backends.cutedsl.build", "dsa_aot.backends.cutedsl.worker")
     runtime_module = "dsa_aot.backends.cutedsl.runtime"
     compilers = ("nvidia-cutlass-dsl*",)

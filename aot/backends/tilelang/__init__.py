@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from dsa_aot.backends.base import OP_STAGES, Built, KernelBackend, nvcc_reason
+from dsa_aot.backends.base import OP_STAGES, stage_modules, Built, KernelBackend, nvcc_reason
 
 if TYPE_CHECKING:
     from dsa_aot.artifact import ArtifactManifest
@@ -25,10 +25,7 @@ BUILDERS = {"fwd": "build_fwd", "bwd_preprocess": "build_bwd_preprocess", "bwd_m
 class TileLangBackend(KernelBackend):
     name = "tilelang"
     stages = OP_STAGES
-    kernel_modules = {"fwd": "dsa_aot.kernels.tilelang_fwd",
-                      "bwd_preprocess": "dsa_aot.kernels.tilelang_bwd_preprocess",
-                      "bwd_main": "dsa_aot.kernels.tilelang_bwd",
-                      "bwd_postprocess": "dsa_aot.kernels.tilelang_bwd_postprocess"}
+    kernel_modules = stage_modules("dsa_aot.kernels.tilelang_", bwd_main="bwd")
     build_modules = ("dsa_aot.backends.tilelang.build",)
     runtime_module = "dsa_aot.backends.tilelang.runtime"
     compilers = ("tilelang", "apache-tvm-ffi")
