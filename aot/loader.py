@@ -422,12 +422,17 @@ class Loader:
 
         if not _settings.get().jit:
             return "not prebuilt and DSA_AOT_JIT=0"
-        from dsa_aot.identity import can_key_builds
+        from dsa_aot.identity import can_key_builds, missing_build_tools
 
         backend = BACKENDS[spec.backend]
-        reason = can_key_builds(backend, self.toolchain())
+        reason = missing_build_tools(backend, self.toolchain())
         if reason:
             return f"not prebuilt and cannot JIT: {reason}"
+        unkeyable = can_key_builds(backend, self.toolchain())
+        if unkeyable:  # build_and_publish compiles it in memory, filed nowhere
+            self._once(f"{spec.id}: the build key cannot be computed ({unkeyable}); compiling in memory only",
+                       logging.WARNING)
+            return backend.unsupported_reason(spec, None)
         try:
             features = self.features()
         except Exception as exc:

@@ -94,10 +94,13 @@ def peer_bwd():
     return sparse_attention_backward_wrapper
 
 
-def _served_by(op: str, heads: int, d_qk: int) -> str:
-    """The backend whose kernel the last call of this shape used (from the runner's spec)."""
+def _served_by(op: str, heads: int, d_qk: int, topk: int) -> str:
+    """The backend whose kernel the last call of this shape used (from the runner's spec; a
+    top-k bucketed backend reports the bucket's kernel for this width)."""
     for (kop, _, kd, kh, _), kernel in ops._KERNELS.items():
         if (kop, kd, kh) == (op, d_qk, heads):
+            if hasattr(kernel, "kernel_for"):  # runners.TopkBuckets
+                kernel = kernel.kernel_for(topk)[0]
             spec = getattr(kernel, "spec", None)
             return spec.backend if spec is not None else "reference"
     return "none"
@@ -112,7 +115,7 @@ def run_forced(op: str, backend: str, call, heads: int, d_qk: int, topk: int, re
         except MissingPrebuiltError as exc:
             print(f"{op}  h{heads} d{d_qk} k{topk}: {backend} skipped: {exc}", flush=True)
             return None
-        served = _served_by(op, heads, d_qk)
+        served = _served_by(op, heads, d_qk, topk)
         if served != backend:
             print(f"{op}  h{heads} d{d_qk} k{topk}: {backend} not available (served by {served}); "
                   "skipped", flush=True)

@@ -42,7 +42,7 @@ def test_default_catalog_is_the_full_matrix():
     by_backend = {(op, b): sum(s.op == op and s.backend == b for s in specs)
                   for op in ("fwd", "bwd") for b in ("tilelang", "cutedsl")}
     assert set(by_backend.values()) == {per_op}
-    assert load_catalog().ranking == {"fwd": ["cutedsl", "tilelang"], "bwd": ["cutedsl", "tilelang"]}
+    assert load_catalog().ranking == {"fwd": ["cutedsl", "tilelang"], "bwd": ["cudnn", "cutedsl", "tilelang"]}
     narrowed = load_catalog().specs({("tilelang", "fwd")})  # (backend, op) pairs to keep
     assert len(narrowed) == per_op and {(s.backend, s.op) for s in narrowed} == {("tilelang", "fwd")}
 

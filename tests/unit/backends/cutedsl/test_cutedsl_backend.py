@@ -276,7 +276,7 @@ def test_backends_setting_overrides_the_ranking(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.delenv("DSA_AOT_BACKENDS", raising=False)
     with settings.scope(backends=None):
-        assert Loader().ranking("bwd") == ["cutedsl", "tilelang"]  # the catalog's
+        assert Loader().ranking("bwd") == ["cudnn", "cutedsl", "tilelang"]  # the catalog's
         assert Loader().ranking("fwd") == ["cutedsl", "tilelang"]
     monkeypatch.setenv("DSA_AOT_BACKENDS", "tilelang, cutedsl")
     cfg = settings.Settings.from_env()
