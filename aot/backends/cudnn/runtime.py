@@ -41,11 +41,8 @@ class CudnnSm90Bwd(BwdKernel):
 
     def __call__(self, q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, softmax_scale):
         s_q, heads, d_qk = q.shape
-        s_kv = kv.shape[0]
-        dev = q.device
-        dq = torch.zeros_like(q) if s_kv == 0 else torch.empty_like(q)
-        dkv = torch.zeros_like(kv) if s_q == 0 else torch.empty_like(kv)
-        d_sink = torch.zeros((heads,), dtype=_F32, device=dev)
+        s_kv, dev = kv.shape[0], q.device
+        dq, dkv, d_sink = _gradients(q, kv)
         if s_q == 0 or s_kv == 0:
             return dq, dkv, d_sink
         stats, acc = sm90_workspace_shapes(s_q, s_kv, d_qk, heads)
@@ -57,6 +54,13 @@ class CudnnSm90Bwd(BwdKernel):
                    "dkv_acc": torch.zeros(acc, dtype=_F32, device=dev), "dkv": dkv[None, :, None]}
         _call(self.kernel, self._names, tensors, dev, softmax_scale)
         return dq, dkv, d_sink
+
+
+def _gradients(q: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dkv, d_sink to be written by a backward (zeros where an empty side writes nothing)."""
+    dq = torch.zeros_like(q) if kv.shape[0] == 0 else torch.empty_like(q)
+    dkv = torch.zeros_like(kv) if q.shape[0] == 0 else torch.empty_like(kv)
+    return dq, dkv, torch.zeros((q.shape[1],), dtype=_F32, device=q.device)
 
 
 def _check_spans(name: str, q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor) -> None:
@@ -76,11 +80,8 @@ class CudnnSm100Bwd(BwdKernel):
 
     def __call__(self, q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, softmax_scale):
         s_q, heads, d_qk = q.shape
-        s_kv = kv.shape[0]
-        dev = q.device
-        dq = torch.zeros_like(q) if s_kv == 0 else torch.empty_like(q)
-        dkv = torch.zeros_like(kv) if s_q == 0 else torch.empty_like(kv)
-        d_sink = torch.zeros((heads,), dtype=_F32, device=dev)
+        s_kv, dev = kv.shape[0], q.device
+        dq, dkv, d_sink = _gradients(q, kv)
         if s_q == 0 or s_kv == 0:
             return dq, dkv, d_sink
         _check_spans(self.spec.id, q, kv, topk_idxs)
