@@ -227,59 +227,58 @@ def _bar(total: int, label: str, enabled: bool):
     return update
 
 
-def push_specs(specs, loader, stores: list[ArtifactStore], remote: RemoteStore, *,
-               progress: bool = False) -> TransferSummary:
-    """Push the entry the loader would serve for each spec (from ``stores``) to ``remote``."""
-    summary = TransferSummary("push", remote.root)
+def _transfer(kind: str, specs, remote: RemoteStore, progress: bool, one) -> TransferSummary:
+    """``one(spec) -> Transfer`` for each spec, timed, with a progress bar and a summary."""
+    summary = TransferSummary(kind, remote.root)
     start = time.perf_counter()
-    bar = _bar(len(specs), "push", progress)
+    bar = _bar(len(specs), kind, progress)
     for spec in specs:
         t0 = time.perf_counter()
-        match = next((m for m in (loader.find(s, spec) for s in stores) if m is not None), None)
-        if match is None:
-            row = Transfer(spec.id, "missing", message="not in the local cache")
-        else:
-            try:
-                report = remote.push_entry(match.store, match.entry)
-                row = Transfer(spec.id, "pushed" if report.manifest or report.blobs_sent else "present",
-                               bytes=report.bytes_sent)
-            except CacheError as exc:
-                row = Transfer(spec.id, "failed", message=str(exc))
+        row = one(spec)
         row.seconds = time.perf_counter() - t0
         summary.rows.append(row)
         bar(row)
     bar(None)
     summary.wall_s = time.perf_counter() - start
     return summary
+
+
+def push_specs(specs, loader, stores: list[ArtifactStore], remote: RemoteStore, *,
+               progress: bool = False) -> TransferSummary:
+    """Push the entry the loader would serve for each spec (from ``stores``) to ``remote``."""
+    def push(spec) -> Transfer:
+        match = next((m for m in (loader.find(s, spec) for s in stores) if m is not None), None)
+        if match is None:
+            return Transfer(spec.id, "missing", message="not in the local cache")
+        try:
+            report = remote.push_entry(match.store, match.entry)
+        except CacheError as exc:
+            return Transfer(spec.id, "failed", message=str(exc))
+        return Transfer(spec.id, "pushed" if report.manifest or report.blobs_sent else "present",
+                        bytes=report.bytes_sent)
+
+    return _transfer("push", specs, remote, progress, push)
 
 
 def pull_specs(specs, loader, stores: list[ArtifactStore], into: ArtifactStore, remote: RemoteStore, *,
                progress: bool = False) -> TransferSummary:
     """Pull each spec the local ``stores`` lack from ``remote`` into ``into`` (verified, and
     refused unless trusted when ``DSA_AOT_TRUSTED_KEYS`` is set)."""
-    summary = TransferSummary("pull", remote.root)
     accept = trust_check()
-    start = time.perf_counter()
-    bar = _bar(len(specs), "pull", progress)
-    for spec in specs:
-        t0 = time.perf_counter()
+
+    def pull(spec) -> Transfer:
         if any(loader.find(s, spec) is not None for s in stores):
-            row = Transfer(spec.id, "present")
-        else:
-            match = loader.find(remote, spec)
-            if match is None:
-                row = Transfer(spec.id, "failed" if not remote.available else "missing",
-                               message="" if remote.available else f"{remote.root} unreachable")
-            else:
-                try:
-                    got, _ = remote.pull(match.entry, into, accept)
-                    row = (Transfer(spec.id, "pulled", bytes=match.entry.size) if got is into else
-                           Transfer(spec.id, "failed", message=f"could not store it in {into.root} (see the log)"))
-                except CacheError as exc:
-                    row = Transfer(spec.id, "failed", message=str(exc))
-        row.seconds = time.perf_counter() - t0
-        summary.rows.append(row)
-        bar(row)
-    bar(None)
-    summary.wall_s = time.perf_counter() - start
-    return summary
+            return Transfer(spec.id, "present")
+        match = loader.find(remote, spec)
+        if match is None:
+            return Transfer(spec.id, "failed" if not remote.available else "missing",
+                            message="" if remote.available else f"{remote.root} unreachable")
+        try:
+            got, _ = remote.pull(match.entry, into, accept)
+        except CacheError as exc:
+            return Transfer(spec.id, "failed", message=str(exc))
+        if got is into:
+            return Transfer(spec.id, "pulled", bytes=match.entry.size)
+        return Transfer(spec.id, "failed", message=f"could not store it in {into.root} (see the log)")
+
+    return _transfer("pull", specs, remote, progress, pull)
