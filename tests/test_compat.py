@@ -497,3 +497,36 @@ def test_report_names_what_the_loader_serves_instead(forced, bwd_tilelang_failed
     assert uses[(_BWD_CUTE, "one-left")] is None and uses[(_FWD_TL, "none-left")] is None  # built
     assert uses[(_FWD_TL, "one-left")] == uses[(_FWD_CUTE, "one-left")] == "reference"  # neither fwd built
     assert uses[(_BWD_TL, "none-left")] == uses[(_BWD_CUTE, "none-left")] == "reference"
+
+
+def test_frontend_rows_cross_releases_and_build_only_the_cudnn_specs():
+    """Two older cuDNN frontend releases with the DSA kernels beside the shipped one, each on a
+    CuTe DSL release it accepts; a row's ``only`` narrows its column to the cudnn specs, and a
+    spec it does not select is neither built nor given a loader fallback there."""
+    matrix = compat.load_matrix()
+    frontends = {r.name: r.pinned().get("nvidia-cudnn-frontend") for r in matrix.toolchain}
+    shipped = next(r for r in matrix.toolchain if r.required)
+    assert shipped.pinned()["nvidia-cudnn-frontend"] == "1.32.0" and not shipped.only
+    older = {n: v for n, v in frontends.items() if v and v != "1.32.0"}
+    assert len(set(older.values())) >= 2
+    assert len({matrix_row.pinned()["nvidia-cutlass-dsl"] for matrix_row in matrix.toolchain
+                if matrix_row.name in older}) >= 2, "the older frontends must cross CuTe DSL releases"
+    specs = compat.plan_specs(matrix.archs, matrix.only)
+    for name in older:
+        row = next(r for r in matrix.toolchain if r.name == name)
+        chosen = compat.row_selection(row, specs)
+        assert chosen and all(specs[s].backend == "cudnn" for s in chosen), name
+        assert compat.row_selection(row, specs, cli_only=True) == list(specs)  # --only wins
+    row = next(r for r in matrix.toolchain if r.name in older)
+    cudnn_id = compat.row_selection(row, specs)[0]
+    other = next(s for s in specs if specs[s].shape == specs[cudnn_id].shape and s != cudnn_id)
+    report = compat.CompatReport(
+        generated="now", matrix={"path": "m", "sha256": "0" * 64, "archs": ["sm_90a"], "only": [], "torch": "t",
+                                 "jobs": 1}, machine={},
+        toolchains=[compat.ToolchainResult(name=row.name, pins=row.pins)],
+        specs=[compat.SpecRow(id=cudnn_id, results={row.name: compat.Cell(status="failed", detail="e")}),
+               compat.SpecRow(id=other, results={row.name: compat.Cell(status="not-selected")})])
+    compat.mark_fallbacks(report, {s: specs[s] for s in (cudnn_id, other)}, {"bwd": ["cudnn", "cutedsl"]})
+    assert report.specs[1].results[row.name].loader_uses is None
+    text = compat.render_markdown(report)
+    assert f"| `{other}` | – |" in text

@@ -72,7 +72,7 @@ _REQ_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 PROBE_FIELDS = ("tilelang_importable", "cutlass_dsl_importable", "cute_math_isfinite",
                 "tilelang_bool_fragment_ok", "nvcc_version", "nvcc_archs")
 
-CellStatus = Literal["built", "skipped-by-feature", "failed", "not-run"]
+CellStatus = Literal["built", "skipped-by-feature", "failed", "not-run", "not-selected"]
 
 
 class CompatError(RuntimeError):
@@ -96,6 +96,9 @@ class ToolchainRow(BaseModel):
     required: bool = Field(False, description="every selected spec must build (the shipped pins)")
     expect: dict[str, Any] = Field(default_factory=dict,
                                    description="Features field -> measured value (per-arch dicts allowed)")
+    only: tuple[str, ...] = Field((), description="spec-id globs narrowing the matrix's selection for this "
+                                  "row (e.g. the cudnn specs for a frontend-only row); the others are "
+                                  "not selected in its column")
 
     @field_validator("pins")
     @classmethod
@@ -799,7 +802,7 @@ def mark_fallbacks(report: CompatReport, specs: Mapping[str, ListedSpec],
         spec = specs[row.id]
         same_shape = shapes[spec.shape]
         for name, cell in list(row.results.items()):
-            if cell.status == "built":
+            if cell.status in ("built", "not-selected"):
                 continue
             served = next((b for b in ranking.get(spec.op, []) if b in same_shape
                            and getattr(rows[same_shape[b]].results.get(name), "status", None) == "built"),
@@ -861,8 +864,11 @@ def run_compat(matrix_path: Path | None = None, *, envs_dir: Path = DEFAULT_ENVS
                     report.problems.append(f"{row.name}: {result.error}")
                     _log(f"{row.name}: {result.error}")
                     continue
-                result, cells = run_toolchain(row, env, list(specs), archs=matrix.archs, only=globs,
+                chosen = row_selection(row, specs, cli_only=bool(only))
+                result, cells = run_toolchain(row, env, chosen, archs=matrix.archs,
+                                              only=globs if chosen == list(specs) else chosen,
                                               jobs=jobs, pythonpath=pythonpath)
+                cells.update({s: Cell(status="not-selected") for s in specs if s not in cells})
                 result.same_as_running = result.fingerprint == running if result.fingerprint else None
                 report.toolchains.append(result)
                 for spec_id, cell in cells.items():
@@ -873,6 +879,15 @@ def run_compat(matrix_path: Path | None = None, *, envs_dir: Path = DEFAULT_ENVS
     report.problems += _problems(report)
     report.wall_seconds = round(time.perf_counter() - start, 1)
     return report
+
+
+def row_selection(row: ToolchainRow, spec_ids: Iterable[str], *, cli_only: bool = False) -> list[str]:
+    """The specs of the report that ``row`` builds: all of them, or those its ``only`` globs
+    match (an explicit ``--only`` on the command line wins over the row's)."""
+    ids = list(spec_ids)
+    if cli_only or not row.only:
+        return ids
+    return [s for s in ids if any(fnmatch.fnmatchcase(s, g) for g in row.only)]
 
 
 def _problems(report: CompatReport) -> list[str]:
@@ -949,7 +964,8 @@ def render_markdown(report: CompatReport) -> str:
         "`dsa-aot prebuild` did for the spec under that toolchain: **built**, **skipped** (a probed "
         "feature is missing) or **failed** (first compiler error line in the notes); after the "
         "arrow, what the loader serves that call shape with instead (the next backend of the "
-        "ranking that built, else the torch reference)"
+        "ranking that built, else the torch reference); **–**: not selected for that toolchain "
+        "(its row's `only`)"
         + ("; ranking " + ", ".join(f"{op}: {' > '.join(b)}" for op, b in ranking.items()) if ranking else "")
         + ".",
         "",
@@ -1010,7 +1026,7 @@ def render_markdown(report: CompatReport) -> str:
                 cells.append("-")
                 continue
             label = {"built": "built", "skipped-by-feature": "skipped", "failed": "**failed**",
-                     "not-run": "not run"}[cell.status]
+                     "not-run": "not run", "not-selected": "–"}[cell.status]
             if cell.detail:
                 ref = notes.setdefault(cell.detail, len(notes) + 1)
                 label += f" [{ref}]"
