@@ -12,6 +12,7 @@ The ops ``torch.ops.dsa_aot.sparse_mla_fwd`` / ``sparse_mla_bwd`` are defined he
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -29,6 +30,20 @@ def _clear() -> None:
 
 
 _settings.on_change(_clear)
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` the current CUDA device for a load or launch, restoring the caller's after.
+
+    The launch paths use the calling thread's current device: the TileLang cubins launch as
+    ``CUkernel`` handles in the current context, the CuTe DSL libraries' own CUDA runtime picks
+    the module loaded for its current device. Tensors on ``cuda:1`` while ``cuda:0`` is current
+    must bind ``cuda:1`` first. A no-op (no CUDA call) for non-CUDA tensors and when the device
+    is already current, which is every call of a single-GPU process.
+    """
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device.index)
 
 
 def _kernel(op: str, device: torch.device, d_qk: int, heads: int, layout: str):
@@ -53,7 +68,8 @@ def _kernel(op: str, device: torch.device, d_qk: int, heads: int, layout: str):
                     raise UnsupportedDeviceError(
                         f"GPU {torch.cuda.get_device_name(index)} is sm_{major}{minor}; dsa-aot kernels are built "
                         "for sm_90a (Hopper) and sm_100a (Blackwell B200/GB200)")
-                kernel, _ = get_loader().resolve(op, arch, d_qk, heads, layout, index)
+                with on_device(device):  # a library's load must not move the caller's current device
+                    kernel, _ = get_loader().resolve(op, arch, d_qk, heads, layout, index)
             _KERNELS[key] = kernel
     return kernel
 
@@ -87,7 +103,8 @@ def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, *
     dev = q.device
     _, heads, d_qk = q.shape
     kernel = _kernel("fwd", dev, d_qk, heads, layout)
-    return kernel(q, kv, topk_idxs, topk_length, attn_sink if attn_sink is not None else _sink(heads, dev), scale)
+    with on_device(dev):
+        return kernel(q, kv, topk_idxs, topk_length, attn_sink if attn_sink is not None else _sink(heads, dev), scale)
 
 
 def sparse_mla_bwd(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
@@ -103,8 +120,9 @@ def sparse_mla_bwd(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: t
     dev = q.device
     _, heads, d_qk = q.shape
     kernel = _kernel("bwd", dev, d_qk, heads, layout)
-    dq, dkv, d_sink = kernel(q, kv, out, dout, lse, topk_idxs, topk_length,
-                             attn_sink if attn_sink is not None else _sink(heads, dev), scale)
+    with on_device(dev):
+        dq, dkv, d_sink = kernel(q, kv, out, dout, lse, topk_idxs, topk_length,
+                                 attn_sink if attn_sink is not None else _sink(heads, dev), scale)
     return dq, dkv, (d_sink if attn_sink is not None else None)
 
 
