@@ -91,7 +91,8 @@ def main() -> int:
         report["graph_replay_equal"] = bool(torch.equal(g_out, eager_out))
         report["compiler_modules"] = sorted(m for m in sys.modules if m.split(".")[0] in COMPILERS)
         report["ok"] = (report["out_rel"] <= 1e-6 and report["dq_rel"] <= 1e-3
-                        and report["dkv_allreduced_rel"] <= 1e-3 and report["d_sink_allreduced_rel"] <= 1e-3
+                        # each rank's dkv is rounded to bf16 before the sum: a few bf16 ulps
+                        and report["dkv_allreduced_rel"] <= 1e-2 and report["d_sink_allreduced_rel"] <= 1e-3
                         and report["graph_replay_equal"] and not report["compiler_modules"])
     except Exception as exc:  # written down for the test, then re-raised
         report.update(ok=False, error=f"{type(exc).__name__}: {exc}")
