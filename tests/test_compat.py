@@ -526,7 +526,9 @@ def test_frontend_rows_cross_releases_and_build_only_the_cudnn_specs():
         toolchains=[compat.ToolchainResult(name=row.name, pins=row.pins)],
         specs=[compat.SpecRow(id=cudnn_id, results={row.name: compat.Cell(status="failed", detail="e")}),
                compat.SpecRow(id=other, results={row.name: compat.Cell(status="not-selected")})])
-    compat.mark_fallbacks(report, {s: specs[s] for s in (cudnn_id, other)}, {"bwd": ["cudnn", "cutedsl"]})
+    backend = specs[other].backend
+    compat.mark_fallbacks(report, {s: specs[s] for s in (cudnn_id, other)}, {specs[other].op: ["cudnn", backend]})
     assert report.specs[1].results[row.name].loader_uses is None
+    assert report.specs[0].results[row.name].loader_uses == f"{backend} (not built in this column)"
     text = compat.render_markdown(report)
     assert f"| `{other}` | – |" in text

@@ -804,9 +804,15 @@ def mark_fallbacks(report: CompatReport, specs: Mapping[str, ListedSpec],
         for name, cell in list(row.results.items()):
             if cell.status in ("built", "not-selected"):
                 continue
-            served = next((b for b in ranking.get(spec.op, []) if b in same_shape
-                           and getattr(rows[same_shape[b]].results.get(name), "status", None) == "built"),
-                          "reference")
+            served = "reference"
+            for b in ranking.get(spec.op, []):
+                status = getattr(rows[same_shape[b]].results.get(name), "status", None) if b in same_shape else None
+                if status == "built":
+                    served = b
+                    break
+                if status == "not-selected":  # this column did not try it: say so, not "reference"
+                    served = f"{b} (not built in this column)"
+                    break
             row.results[name] = cell.model_copy(update={"loader_uses": served})
 
 

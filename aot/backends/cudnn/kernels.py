@@ -69,6 +69,24 @@ class _Sm90Bwd:
         self.post(dkv_acc, dkv, kv.shape[1], stream)
 
 
+def _frontend_sm90_extents(iface: object, s_q: int, s_kv: int, d: int) -> tuple[int, ...] | None:
+    """The rounded (S_q, S_kv, D) extents of the frontend's SM90 scratch: its helper (1.32 on),
+    else the rounding its interface function spells inline (1.28-1.31), read from its source."""
+    helper = getattr(iface, "_workspace_extents", None)
+    if helper is not None:
+        return tuple(helper(s_q, s_kv, d))
+    import inspect
+    import re
+
+    source = inspect.getsource(iface.flash_attn_bwd_sm90)
+    rows = re.search(r"m_block_size = (\d+)\n", source)
+    cols = re.search(r"n_block_size = (\d+)\n", source)
+    dims = re.search(r"head_dim_rounded = \(head_dim \+ (\d+) - 1\) // \1 \* \1", source)
+    if not (rows and cols and dims):
+        return None
+    return tuple(-(-v // int(m.group(1))) * int(m.group(1)) for v, m in ((s_q, rows), (s_kv, cols), (d, dims)))
+
+
 def _check_sm90_workspace() -> None:
     """Our run-time workspace sizes must be the frontend's (a frontend upgrade that changes
     them fails the build instead of corrupting memory)."""
@@ -77,8 +95,12 @@ def _check_sm90_workspace() -> None:
     for s_q, s_kv, d in ((1, 1, 512), (63, 95, 576), (4096, 8193, 576)):
         want = (-(-s_q // SM90_ROWS_MULTIPLE) * SM90_ROWS_MULTIPLE, -(-s_kv // SM90_ROWS_MULTIPLE) * SM90_ROWS_MULTIPLE,
                 -(-d // SM90_DKV_COLS_MULTIPLE) * SM90_DKV_COLS_MULTIPLE)
-        if tuple(iface._workspace_extents(s_q, s_kv, d)) != want:
-            raise ValueError(f"the frontend's SM90 workspace extents changed: {iface._workspace_extents(s_q, s_kv, d)} "
+        theirs = _frontend_sm90_extents(iface, s_q, s_kv, d)
+        if theirs is None:
+            raise ValueError("this nvidia-cudnn-frontend's SM90 workspace rounding could not be read (no "
+                             "_workspace_extents, no inline rounding in flash_attn_bwd_sm90); not built")
+        if theirs != want:
+            raise ValueError(f"the frontend's SM90 workspace extents changed: {theirs} "
                              f"for S_q={s_q}, S_kv={s_kv}, D={d}; expected {want}")
 
 
