@@ -12,8 +12,8 @@ Lookup order for a call shape, over the backends of the catalog's ranking:
        used the same version of any compiler part that is installed here.
      Every file is sha256-checked before it is loaded; a bad entry is quarantined and misses;
      then the remote tier (``DSA_AOT_REMOTE_URL``) by the same rules: its entry is fetched,
-     every byte checked against its manifest and published into the writable cache, then
-     loaded from there like any entry. A remote failure is a logged miss. With
+     every byte checked against its manifest, loaded from those verified bytes, and published
+     into the writable cache on a background thread (the call does not wait for the disk). A remote failure is a logged miss. With
      ``DSA_AOT_TRUSTED_KEYS`` set, an entry of any of them whose signature does not verify is
      refused (and never copied from the remote);
   2. none stored: ``DSA_AOT_REQUIRE_PREBUILT=1`` raises :class:`MissingPrebuiltError`; else JIT
@@ -237,9 +237,9 @@ class Loader:
             if match is None:
                 continue
             local, entry = store, match.entry
-            if getattr(store, "remote", False):  # copy it into the local cache, then load that copy
+            if getattr(store, "remote", False):  # load the verified bytes; the local copy follows
                 try:
-                    local, entry = store.pull(entry, self.writable_store(), self.trust_check())
+                    local, entry = store.pull(entry, self.writable_store(), self.trust_check(), background=True)
                 except CacheError as exc:
                     self._once(f"remote miss for {entry.key} on {store.root}: {exc}", logging.WARNING)
                     continue

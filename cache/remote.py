@@ -16,7 +16,10 @@ then publishes into a local :class:`~dsa_aot.cache.store.ArtifactStore` (atomica
 manifest unchanged). Every call is bounded by the connect and socket timeouts, never retried;
 after a connection failure the server is not asked again for ``retry_after_s``, so an
 unreachable server costs one timeout, not one per lookup. Read methods turn every failure into
-a logged miss; the ``redis`` package is imported on first use only.
+a logged miss. The reads a first call makes go through :mod:`dsa_aot.cache.resp` (the
+standard library only); the ``redis`` package is imported for writes, leases and the CLI.
+A pull serves the verified bytes from memory at once and publishes them into the local cache
+on a background thread (joined at exit, or by :func:`wait_for_publishes`).
 """
 
 from __future__ import annotations
@@ -142,6 +145,7 @@ class RemoteStore:
         self.retry_after_s = retry_after_s
         self.prefix = prefix
         self._client_obj: Any = None
+        self._reader_obj: Any = None
         self._down_until = 0.0
         self._lock = threading.Lock()
 
@@ -168,30 +172,48 @@ class RemoteStore:
         """False for ``retry_after_s`` after a connection failure."""
         return time.monotonic() >= self._down_until
 
-    def _call(self, what: str, fn: Callable[[Any], Any]) -> Any:
-        """``fn(client)``; any failure raises RemoteError (a connection failure also starts the
-        back-off during which the server is not asked at all)."""
-        client = self._client()
+    def _reader(self):
+        """The read client: :class:`~dsa_aot.cache.resp.RespClient` where it reads the URL,
+        else the ``redis`` client."""
+        if self._reader_obj is None:
+            from dsa_aot.cache import resp
+
+            if not resp.supported(self.url):
+                return self._client()
+            self._reader_obj = resp.RespClient(self.url, connect_timeout_s=self.connect_timeout_s,
+                                               timeout_s=self.timeout_s)
+        return self._reader_obj
+
+    def _call(self, what: str, fn: Callable[[Any], Any], *, read: bool = False) -> Any:
+        """``fn(client)`` (the read client when ``read``); any failure raises RemoteError (a
+        connection failure also starts the back-off during which the server is not asked)."""
+        client = self._reader() if read else self._client()
         if not self.available:
             raise RemoteError(f"{self.root} is unavailable (retrying in "
                               f"{self._down_until - time.monotonic():.0f} s)")
-        import redis
+        from dsa_aot.cache import resp
 
+        if isinstance(client, resp.RespClient):
+            lost, refused = (resp.RespConnectionError,), (resp.RespError,)
+        else:
+            import redis
+
+            lost, refused = (redis.ConnectionError, redis.TimeoutError, OSError), (redis.RedisError,)
         try:
             return fn(client)
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        except lost as exc:
             with self._lock:
                 first = self.available
                 self._down_until = time.monotonic() + self.retry_after_s
             if first:
                 log.warning("dsa-aot: remote cache %s unreachable during %s (%s: %s); not asking it "
                             "again for %.0f s", self.root, what, type(exc).__name__, exc, self.retry_after_s)
-            try:
-                client.connection_pool.disconnect()  # never reuse a connection left mid-reply
+            try:  # never reuse a connection left mid-reply
+                client.close() if isinstance(client, resp.RespClient) else client.connection_pool.disconnect()
             except Exception:
                 pass
             raise RemoteError(f"{self.root}: {what}: {type(exc).__name__}: {exc}") from None
-        except redis.RedisError as exc:
+        except refused as exc:
             raise RemoteError(f"{self.root}: {what}: {type(exc).__name__}: {exc}") from None
 
     def ping(self) -> float:
@@ -238,7 +260,7 @@ class RemoteStore:
         """The entry's manifest, or None (missing, unreadable or the server unreachable: logged)."""
         name = self._entry_key(fingerprint, arch, spec_id)
         try:
-            raw = self._call("lookup", lambda c: c.get(name))
+            raw = self._call("lookup", lambda c: c.get(name), read=True)
         except RemoteError as exc:
             log.debug("dsa-aot: remote lookup of %s missed: %s", name, exc)
             return None
@@ -248,9 +270,10 @@ class RemoteStore:
         """Every entry of ``spec_id`` for ``arch`` under any key, newest first."""
         try:
             keys = sorted(k.decode() for k in self._call("candidates", lambda c: c.smembers(
-                self._spec_key(arch, spec_id))))
-            names = [self._entry_key(k, arch, spec_id) for k in keys if _valid_name(k)]
-            raws = self._call("candidates", lambda c: c.mget(names)) if names else []
+                self._spec_key(arch, spec_id)), read=True))
+            keys = [k for k in keys if _valid_name(k)]
+            names = [self._entry_key(k, arch, spec_id) for k in keys]
+            raws = self._call("candidates", lambda c: c.mget(names), read=True) if names else []
         except RemoteError as exc:
             log.debug("dsa-aot: remote candidates of %s missed: %s", spec_id, exc)
             return
@@ -261,7 +284,8 @@ class RemoteStore:
         """Every file of ``entry``, each checked against the manifest's size and sha256.
         Raises RemoteError (unreachable, a blob missing) or CorruptArtifact (a byte differs)."""
         names = list(entry.meta.files)
-        blobs = self._call("fetch", lambda c: c.mget([self._blob_key(entry.meta.files[n].sha256) for n in names]))
+        blobs = self._call("fetch", lambda c: c.mget([self._blob_key(entry.meta.files[n].sha256) for n in names]),
+                           read=True)
         files = {}
         for name, data in zip(names, blobs):
             info = entry.meta.files[name]
@@ -274,23 +298,25 @@ class RemoteStore:
         return files
 
     def pull(self, entry: Entry, into: ArtifactStore | None,
-             accept: Callable[[EntryMeta], str | None] | None = None) -> tuple[Any, Entry]:
+             accept: Callable[[EntryMeta], str | None] | None = None, *,
+             background: bool = False) -> tuple[Any, Entry]:
         """Fetch and verify ``entry`` and publish it into ``into`` (atomically, its meta
         unchanged); returns ``(store, entry)`` to load it from. Without a usable ``into`` the
-        verified files are served from memory. ``accept`` (the trust check) runs before any
-        blob is fetched. Raises CacheError (RemoteError, CorruptArtifact, UntrustedEntry)."""
+        verified files are served from memory; with ``background`` they are served from memory
+        at once while a thread publishes them (a first call does not wait for the disk).
+        ``accept`` (the trust check) runs before any blob is fetched. Raises CacheError
+        (RemoteError, CorruptArtifact, UntrustedEntry)."""
         why = accept(entry.meta) if accept is not None else None
         if why:
             raise UntrustedEntry(why)
         files = self.fetch(entry)
-        if into is not None:
+        if into is not None and background:
+            _publish_later(self.root, into, entry, files)
+        elif into is not None:
             try:
-                return into, into.publish_entry(entry.meta, files, index_later=True)
-            except (OSError, CacheError) as exc:
-                if isinstance(exc, CorruptArtifact):
-                    raise
-                log.warning("dsa-aot: could not store %s pulled from %s in %s: %s; using it from memory",
-                            entry.key, self.root, into.root, exc)
+                return into, _publish(self.root, into, entry, files)
+            except OSError:
+                pass  # logged; served from memory
         return _Fetched(self.root, files), entry
 
     def read_file(self, entry: Entry, name: str) -> bytes:
@@ -363,6 +389,49 @@ class RemoteStore:
     def lease(self, fingerprint: str, arch: str, spec_id: str, ttl_s: float) -> Lease:
         """The fleet-wide compile lease of one entry (not yet acquired)."""
         return Lease(self, self._lease_key(fingerprint, arch, spec_id), ttl_s)
+
+
+def _publish(source: str, into: ArtifactStore, entry: Entry, files: dict[str, bytes]) -> Entry:
+    """Publish pulled, verified files into ``into``; an I/O or cache failure is logged and
+    re-raised as OSError (a CorruptArtifact propagates)."""
+    try:
+        return into.publish_entry(entry.meta, files, index_later=True)
+    except (OSError, CacheError) as exc:
+        if isinstance(exc, CorruptArtifact):
+            raise
+        log.warning("dsa-aot: could not store %s pulled from %s in %s: %s; using it from memory",
+                    entry.key, source, into.root, exc)
+        raise OSError(str(exc)) from None
+
+
+_PUBLISHING: list[threading.Thread] = []
+_PUBLISHING_LOCK = threading.Lock()
+
+
+def _publish_later(source: str, into: ArtifactStore, entry: Entry, files: dict[str, bytes]) -> None:
+    def run() -> None:
+        try:
+            _publish(source, into, entry, files)
+        except CorruptArtifact as exc:
+            log.warning("dsa-aot: not storing %s pulled from %s: %s", entry.key, source, exc)
+        except OSError:
+            pass  # logged by _publish; the kernel was served from memory
+
+    # not a daemon: the interpreter joins it at exit, so a short-lived process still publishes
+    thread = threading.Thread(target=run, name=f"dsa-aot-publish-{entry.meta.spec_id}")
+    with _PUBLISHING_LOCK:
+        _PUBLISHING[:] = [t for t in _PUBLISHING if t.is_alive()]
+        _PUBLISHING.append(thread)
+    thread.start()
+
+
+def wait_for_publishes(timeout_s: float | None = None) -> bool:
+    """Join the local publishes that pulls left running; True when none is left."""
+    with _PUBLISHING_LOCK:
+        threads = list(_PUBLISHING)
+    for thread in threads:
+        thread.join(timeout_s)
+    return not any(t.is_alive() for t in threads)
 
 
 def _valid_name(value: str) -> bool:

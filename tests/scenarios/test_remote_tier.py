@@ -16,7 +16,7 @@ import pytest
 
 import _harness
 import _redis
-from dsa_aot.cache.remote import PREFIX, RemoteStore
+from dsa_aot.cache.remote import PREFIX, RemoteStore, wait_for_publishes
 from dsa_aot.cache.store import ArtifactStore
 
 #: connect 0.1 s + one socket timeout 0.5 s (the defaults), plus slack for a loaded 2-core machine.
@@ -52,6 +52,7 @@ def test_remote_hit_is_verified_published_locally_then_served_from_cache(inproc_
     loader = _loader(scoped_settings, inproc_cpu, redis_server.url)
     kernel, source, rule = loader.try_load(_harness.spec(), 0)
     assert source == f"remote:{redis_server.url}" and rule == "build key"
+    assert wait_for_publishes(30)  # the local copy is written off the call's path
     local = inproc_cpu.store().lookup(seeded.meta.fingerprint, seeded.meta.arch, seeded.meta.spec_id)
     assert local is not None and inproc_cpu.store().verify(local) == []
     assert local.meta == seeded.meta  # the builder's meta.json, unchanged (identities, created)

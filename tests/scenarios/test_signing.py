@@ -15,7 +15,7 @@ import pytest
 from cli_helpers import cli
 
 import _harness
-from dsa_aot.cache.remote import PREFIX, RemoteManifest, RemoteStore
+from dsa_aot.cache.remote import PREFIX, RemoteManifest, RemoteStore, wait_for_publishes
 from dsa_aot.cache.signing import Signer
 from dsa_aot.cache.store import META, ArtifactStore
 
@@ -127,6 +127,7 @@ def test_untrusted_remote_entry_is_refused_and_never_lands(inproc, tmp_path, red
     loader = _loader(scoped_settings, inproc, pub, DSA_AOT_REMOTE_URL=redis_server.url, DSA_AOT_JIT="0")
     with caplog.at_level(logging.WARNING, logger="dsa_aot"):
         assert loader.try_load(_harness.spec(), 0) is None  # a good entry too: no GPU to load it on
+    assert wait_for_publishes(30)  # a pulled entry's local copy is written off the call's path
     if attack is None:  # control: a trusted signature gets pulled and handed to the driver
         assert inproc.driver_calls and list(inproc.store().entries())
         return
