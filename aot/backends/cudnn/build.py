@@ -21,10 +21,8 @@ from typing import TYPE_CHECKING
 
 from dsa_aot.backends.cudnn.records import (
     CudnnBuildError, CudnnStageRecord, Variant, check_bwd_params, check_fwd_params, sm100_bwd_variant)
-from dsa_aot.backends.cutedsl.build import (
-    _check_header, _check_scalar_params, _collect_worker, _link, _spawn_worker)
-from dsa_aot.backends.cutedsl.records import (
-    CuteBuildError, CuteExportRecord, ScalarArgRecord, StreamArgRecord, TensorArgRecord, sha256_file)
+from dsa_aot.backends.cutedsl.build import _collect_worker, _link, _spawn_worker, checked_export
+from dsa_aot.backends.cutedsl.records import CuteBuildError, CuteExportRecord, sha256_file
 
 if TYPE_CHECKING:
     from dsa_aot.specs.models import KernelSpec
@@ -98,15 +96,8 @@ def build_spec(spec: KernelSpec, out_dir: str | Path, *, python: str | None = No
         reply = _collect_worker(spec.arch, proc, scratch, timeout)
         result = reply["results"][0]
         start = time.perf_counter()
-        kinds = {"stream": StreamArgRecord, "tensor": TensorArgRecord, "scalar": ScalarArgRecord}
-        args = [kinds[a["kind"]](**a) for a in result["args"]]
         folder = scratch / "job"
-        header = (folder / f"{name}.h").read_text()
-        symbols = _check_header(header, name, args)
-        _check_scalar_params(header, name, args)
-        obj = folder / f"{name}.o"
-        if symbols.entry.encode() not in obj.read_bytes():
-            raise CudnnBuildError(f"{obj.name} does not define {symbols.entry}")
+        args, symbols, obj = checked_export(result, folder)
         lib = folder / f"{name}.so"
         cudart = _link(obj, lib, LINK, Path(str(reply["libdir"])))
         export = CuteExportRecord(

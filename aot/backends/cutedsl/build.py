@@ -411,19 +411,27 @@ def _collect_worker(arch: str, proc: subprocess.Popen[str], scratch: Path,
     return data
 
 
+def checked_export(result: dict[str, object], folder: Path) -> tuple[tuple, CuteSymbols, Path]:
+    """A worker's exported function in ``folder``: its argument records, the symbols of its
+    header (checked against those arguments) and the object file, which must define the entry."""
+    name = str(result["name"])
+    kinds = {"stream": StreamArgRecord, "tensor": TensorArgRecord, "scalar": ScalarArgRecord}
+    args = tuple(kinds[a["kind"]](**a) for a in result["args"])
+    header = (folder / f"{name}.h").read_text()
+    symbols = _check_header(header, name, args)
+    _check_scalar_params(header, name, args)
+    obj = folder / f"{name}.o"
+    if symbols.entry.encode() not in obj.read_bytes():
+        raise CuteBuildError(f"{obj.name} does not define {symbols.entry}")
+    return args, symbols, obj
+
+
 def _finish(req: BuildRequest, job: dict[str, object], result: dict[str, object],
             reply: dict[str, object], out: Path) -> CuteExportRecord:
     name = str(result["name"])
     stage = Path(str(job["dir"]))
     start = time.perf_counter()
-    kinds = {"stream": StreamArgRecord, "tensor": TensorArgRecord, "scalar": ScalarArgRecord}
-    arg_models = [kinds[a["kind"]](**a) for a in result["args"]]
-    header = (stage / f"{name}.h").read_text()
-    symbols = _check_header(header, name, arg_models)
-    _check_scalar_params(header, name, arg_models)
-    obj = stage / f"{name}.o"
-    if symbols.entry.encode() not in obj.read_bytes():
-        raise CuteBuildError(f"{obj.name} does not define {symbols.entry}")
+    arg_models, symbols, obj = checked_export(result, stage)
     libdir = Path(str(reply["libdir"]))
     lib = stage / f"{name}.so"
     cudart = _link(obj, lib, req.link, libdir)
