@@ -32,6 +32,15 @@ def _clear() -> None:
 _settings.on_change(_clear)
 
 
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
+def _elsewhere(device: torch.device) -> bool:
+    """True for a CUDA device that is not the calling thread's current one (cheap: a CUDA
+    tensor exists, so CUDA is initialized and the raw query needs no lazy-init check)."""
+    return device.type == "cuda" and device.index is not None and device.index != _current_device()
+
+
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     """Make ``device`` the current CUDA device for a load or launch, restoring the caller's after.
 
@@ -41,9 +50,7 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     must bind ``cuda:1`` first. A no-op (no CUDA call) for non-CUDA tensors and when the device
     is already current, which is every call of a single-GPU process.
     """
-    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(device.index)
+    return torch.cuda.device(device.index) if _elsewhere(device) else contextlib.nullcontext()
 
 
 def _kernel(op: str, device: torch.device, d_qk: int, heads: int, layout: str):
@@ -88,6 +95,14 @@ def _sink(heads: int, device: torch.device) -> torch.Tensor:
     return sink
 
 
+def _launch(kernel, dev: torch.device, heads: int, attn_sink: torch.Tensor | None, scale: float, *tensors):
+    """``kernel(*tensors, sink, scale)`` on ``dev`` (bound first when it is not current)."""
+    if _elsewhere(dev):
+        with torch.cuda.device(dev.index):
+            return kernel(*tensors, attn_sink if attn_sink is not None else _sink(heads, dev), scale)
+    return kernel(*tensors, attn_sink if attn_sink is not None else _sink(heads, dev), scale)
+
+
 def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, *,
                    topk_length: torch.Tensor | None = None, attn_sink: torch.Tensor | None = None,
                    softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,8 +118,7 @@ def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, *
     dev = q.device
     _, heads, d_qk = q.shape
     kernel = _kernel("fwd", dev, d_qk, heads, layout)
-    with on_device(dev):
-        return kernel(q, kv, topk_idxs, topk_length, attn_sink if attn_sink is not None else _sink(heads, dev), scale)
+    return _launch(kernel, dev, heads, attn_sink, scale, q, kv, topk_idxs, topk_length)
 
 
 def sparse_mla_bwd(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
@@ -120,9 +134,7 @@ def sparse_mla_bwd(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: t
     dev = q.device
     _, heads, d_qk = q.shape
     kernel = _kernel("bwd", dev, d_qk, heads, layout)
-    with on_device(dev):
-        dq, dkv, d_sink = kernel(q, kv, out, dout, lse, topk_idxs, topk_length,
-                                 attn_sink if attn_sink is not None else _sink(heads, dev), scale)
+    dq, dkv, d_sink = _launch(kernel, dev, heads, attn_sink, scale, q, kv, out, dout, lse, topk_idxs, topk_length)
     return dq, dkv, (d_sink if attn_sink is not None else None)
 
 

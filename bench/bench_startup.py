@@ -169,8 +169,10 @@ def dispatch_overhead(n: int = 40000, rounds: int = 8) -> dict[str, object]:
         torch.empty(1, 64, device="cuda")
         raw.launch(stream, args)
 
+    scale = 576 ** -0.5
     cases = {"raw_launch_us": lambda: raw.launch(stream, args),
              "raw_launch_plus_alloc_us": alloc_and_launch,
+             "runner_us": lambda: kernel(q, kv, idx, None, sink, scale),  # allocation, stream, launch
              "sparse_mla_fwd_us": lambda: dsa_aot.sparse_mla_fwd(q, kv, idx)}
     samples: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(rounds):  # interleaved rounds; the minimum is the least disturbed one
@@ -178,6 +180,7 @@ def dispatch_overhead(n: int = 40000, rounds: int = 8) -> dict[str, object]:
             samples[name].append(loop(fn, n // rounds))
     results = {name: min(v) for name, v in samples.items()}
     results["overhead_over_raw_plus_alloc_us"] = results["sparse_mla_fwd_us"] - results["raw_launch_plus_alloc_us"]
+    results["api_over_runner_us"] = results["sparse_mla_fwd_us"] - results["runner_us"]  # checks, lookup, binding
     results["rounds"] = {name: [round(x, 2) for x in v] for name, v in samples.items()}
     return results
 
