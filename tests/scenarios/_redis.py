@@ -88,10 +88,12 @@ class RedisServer:
         return sorted(k.decode() for k in self.client().keys(pattern))
 
 
-class SilentListener:
-    """Accepts TCP connections on a loopback port and never sends a byte."""
+class ScriptedListener:
+    """Accepts TCP connections on a loopback port; answers each with ``reply`` and closes it, or,
+    with no reply, holds it open and never sends a byte."""
 
-    def __init__(self) -> None:
+    def __init__(self, reply: bytes | None = None) -> None:
+        self.reply = reply
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(64)
@@ -111,13 +113,29 @@ class SilentListener:
                 conn, _ = self.sock.accept()
             except OSError:
                 continue
-            self.accepted.append(conn)  # held open, never answered
+            if self.reply is None:
+                self.accepted.append(conn)  # held open, never answered
+                continue
+            conn.settimeout(2)
+            try:
+                conn.recv(1024)
+                conn.sendall(self.reply)
+            except OSError:
+                pass
+            conn.close()
 
     def close(self) -> None:
         self._stop = True
         for conn in self.accepted:
             conn.close()
         self.sock.close()
+
+
+class SilentListener(ScriptedListener):
+    """Accepts TCP connections on a loopback port and never sends a byte."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
 
 
 class CuttingProxy:

@@ -4,9 +4,7 @@ the URL, error replies, and every way a connection fails, each closing the conne
 
 from __future__ import annotations
 
-import socket
 import sys
-import threading
 import time
 
 import pytest
@@ -76,26 +74,6 @@ def test_refused_and_silent_servers_fail_within_the_timeouts():
     assert time.perf_counter() - start < 2.0
 
 
-class _Scripted:
-    """A listener that answers every connection with ``reply`` and then closes it."""
-
-    def __init__(self, reply: bytes) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"redis://127.0.0.1:{self.sock.getsockname()[1]}/0"
-        self.reply = reply
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            conn.recv(1024)
-            conn.sendall(self.reply)
-            conn.close()
-
-
 @pytest.mark.parametrize("reply, why", [
     (b"$10\r\nshort", "closed the connection mid-reply"),
     (b"$3\r\nabcXY", "does not end with CRLF"),
@@ -104,12 +82,14 @@ class _Scripted:
     (b"", "closed the connection"),
 ])
 def test_malformed_or_cut_replies_close_the_connection(reply, why):
-    server = _Scripted(reply)
-    ours = _client(server.url)
-    with pytest.raises(RespConnectionError, match=why):
-        ours.get("k")
-    assert ours._sock is None and not ours._buf
-    server.sock.close()
+    server = _redis.ScriptedListener(reply)
+    try:
+        ours = _client(server.url)
+        with pytest.raises(RespConnectionError, match=why):
+            ours.get("k")
+        assert ours._sock is None and not ours._buf
+    finally:
+        server.close()
 
 
 def test_only_plain_and_unix_urls_are_read_here():
