@@ -27,6 +27,37 @@ if TYPE_CHECKING:
     from dsa_aot.specs.models import KernelSpec
 
 
+#: The frontend module whose kernels each (op, arch) compiles; a release without it cannot build
+#: the spec (1.28 has no SM100 forward).
+FRONTEND_MODULES = {
+    ("fwd", "sm_100a"): "deepseek_sparse_attention/sparse_attention_forward/_interface_sm100.py",
+    ("bwd", "sm_90a"): "deepseek_sparse_attention/sparse_attention_backward/_interface_sm90.py",
+    ("bwd", "sm_100a"): "deepseek_sparse_attention/sparse_attention_backward/_interface_sm100.py",
+}
+
+
+def missing_frontend_module(op: str, arch: str) -> str | None:
+    """Why the installed frontend lacks the kernels of (op, arch), or None; reads the package's
+    files only (``import cudnn`` is not needed to know)."""
+    import importlib.util
+    from pathlib import Path
+
+    wanted = FRONTEND_MODULES.get((op, arch))
+    found = importlib.util.find_spec("cudnn")
+    if wanted is None or found is None or not found.submodule_search_locations:
+        return None  # not this backend's shape, or no frontend at all (missing_compiler says so)
+    if any((Path(root) / wanted).is_file() for root in found.submodule_search_locations):
+        return None
+    from importlib import metadata
+
+    try:
+        version = metadata.version("nvidia-cudnn-frontend")
+    except metadata.PackageNotFoundError:
+        version = "?"
+    module = "cudnn." + wanted.removesuffix(".py").replace("/", ".")
+    return f"nvidia-cudnn-frontend {version} has no {module} (its {op} kernels for {arch})"
+
+
 class CudnnBackend(KernelBackend):
     name = "cudnn"
     stages = {"fwd": ("fwd",), "bwd": ("bwd_main",)}
@@ -53,11 +84,11 @@ class CudnnBackend(KernelBackend):
 
     def unsupported_reason(self, spec: KernelSpec, features: Any | None) -> str | None:
         reason = super().unsupported_reason(spec, features)
-        if reason or features is None:
+        if reason:
             return reason
-        if not getattr(features, "cutlass_dsl_importable", True):
+        if features is not None and not getattr(features, "cutlass_dsl_importable", True):
             return "the CuTe DSL is not importable"
-        return None
+        return missing_frontend_module(spec.op, spec.arch)
 
     def build(self, spec: KernelSpec) -> Built:
         """Compile ``spec``'s one stage in a CuTe DSL worker. Raises :class:`BuildError`."""

@@ -285,3 +285,38 @@ def test_fresh_process_loads_without_compilers(prebuilt: Path) -> None:
         assert report["load"] == "ok"
     else:  # the first CUDA call fails, and says so
         assert report["load_is_cuda_error"] is True and report["load"].startswith("CuteRuntimeError: "), report
+
+
+def test_a_frontend_without_a_kernel_family_skips_its_specs(tmp_path: Path) -> None:
+    """A release that lacks the module of an (op, arch) (1.28 has no SM100 forward) makes those
+    specs skipped-by-feature with the module named, not a failed build; read from its files."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from dsa_aot.backends.cudnn import FRONTEND_MODULES, missing_frontend_module
+
+    assert all(missing_frontend_module(op, arch) is None for op, arch in FRONTEND_MODULES)  # 1.32.0
+    pkg = tmp_path / "cudnn"
+    for rel in ("__init__.py", FRONTEND_MODULES[("bwd", "sm_90a")], FRONTEND_MODULES[("bwd", "sm_100a")]):
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text("raise ImportError('never imported')\n")
+    code = textwrap.dedent("""
+        import json, sys
+        from dsa_aot.backends.cudnn import BACKEND, missing_frontend_module
+        from dsa_aot.specs.models import KernelSpec
+        fwd = KernelSpec.from_id("fwd-sm_100a-d576-h64-noncompact-cudnn")
+        bwd = KernelSpec.from_id("bwd-sm_90a-d576-h64-noncompact-cudnn-k2048")
+        print(json.dumps([BACKEND.unsupported_reason(fwd, None), BACKEND.unsupported_reason(bwd, None),
+                          "cudnn" in sys.modules]))
+    """)
+    import os
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    fwd_reason, bwd_reason, imported = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "has no cudnn.deepseek_sparse_attention.sparse_attention_forward._interface_sm100" in fwd_reason
+    assert bwd_reason is None and imported is False
