@@ -13,9 +13,9 @@ Lookup order for a call shape, over the backends of the catalog's ranking:
      Every file is sha256-checked before it is loaded; a bad entry is quarantined and misses;
      then the remote tier (``DSA_AOT_REMOTE_URL``) by the same rules: its entry is fetched,
      every byte checked against its manifest, loaded from those verified bytes, and published
-     into the writable cache on a background thread (the call does not wait for the disk). A remote failure is a logged miss. With
-     ``DSA_AOT_TRUSTED_KEYS`` set, an entry of any of them whose signature does not verify is
-     refused (and never copied from the remote);
+     into the writable cache on a background thread (the call does not wait for the disk). A
+     remote failure is a logged miss. With ``DSA_AOT_TRUSTED_KEYS`` set, an entry of any of
+     them whose signature does not verify is refused (and never copied from the remote);
   2. none stored: ``DSA_AOT_REQUIRE_PREBUILT=1`` raises :class:`MissingPrebuiltError`; else JIT
      each backend in ranking order through :func:`dsa_aot.build.build_and_publish` (unless
      ``DSA_AOT_JIT=0``, or a compiler or probed feature is missing), which pushes the result

@@ -98,8 +98,8 @@ def _sink(heads: int, device: torch.device) -> torch.Tensor:
 def _launch(kernel, dev: torch.device, heads: int, attn_sink: torch.Tensor | None, scale: float, *tensors):
     """``kernel(*tensors, sink, scale)`` on ``dev`` (bound first when it is not current)."""
     if _elsewhere(dev):
-        with torch.cuda.device(dev.index):
-            return kernel(*tensors, attn_sink if attn_sink is not None else _sink(heads, dev), scale)
+        with torch.cuda.device(dev.index):  # inside, dev is current: the plain call below
+            return _launch(kernel, dev, heads, attn_sink, scale, *tensors)
     return kernel(*tensors, attn_sink if attn_sink is not None else _sink(heads, dev), scale)
 
 

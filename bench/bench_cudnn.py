@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sparse_mla import BWD_SHAPES  # noqa: E402
+from bench_sparse_mla import BWD_SHAPES, rel  # noqa: E402
 from common import bwd_flops, environment, make_inputs, time_cuda  # noqa: E402
 
 import dsa_aot  # noqa: E402
@@ -92,11 +92,6 @@ def kernel_ms(call, n: int = 10) -> float:
         torch.cuda.synchronize()
     total_us = sum(e.device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
     return total_us / n / 1e3
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def steady(shape: tuple[int, ...], wrapper, rounds: int, reps: int) -> dict:

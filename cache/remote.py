@@ -313,10 +313,9 @@ class RemoteStore:
         if into is not None and background:
             _publish_later(self.root, into, entry, files)
         elif into is not None:
-            try:
-                return into, _publish(self.root, into, entry, files)
-            except OSError:
-                pass  # logged; served from memory
+            published = _publish(self.root, into, entry, files)
+            if published is not None:
+                return into, published
         return _Fetched(self.root, files), entry
 
     def read_file(self, entry: Entry, name: str) -> bytes:
@@ -391,17 +390,17 @@ class RemoteStore:
         return Lease(self, self._lease_key(fingerprint, arch, spec_id), ttl_s)
 
 
-def _publish(source: str, into: ArtifactStore, entry: Entry, files: dict[str, bytes]) -> Entry:
-    """Publish pulled, verified files into ``into``; an I/O or cache failure is logged and
-    re-raised as OSError (a CorruptArtifact propagates)."""
+def _publish(source: str, into: ArtifactStore, entry: Entry, files: dict[str, bytes]) -> Entry | None:
+    """Publish pulled, verified files into ``into``; None when that failed (logged: the files
+    are served from memory). A CorruptArtifact propagates."""
     try:
         return into.publish_entry(entry.meta, files, index_later=True)
+    except CorruptArtifact:
+        raise
     except (OSError, CacheError) as exc:
-        if isinstance(exc, CorruptArtifact):
-            raise
         log.warning("dsa-aot: could not store %s pulled from %s in %s: %s; using it from memory",
                     entry.key, source, into.root, exc)
-        raise OSError(str(exc)) from None
+        return None
 
 
 _PUBLISHING: list[threading.Thread] = []
@@ -412,10 +411,8 @@ def _publish_later(source: str, into: ArtifactStore, entry: Entry, files: dict[s
     def run() -> None:
         try:
             _publish(source, into, entry, files)
-        except CorruptArtifact as exc:
+        except CorruptArtifact as exc:  # never raised into a user's call
             log.warning("dsa-aot: not storing %s pulled from %s: %s", entry.key, source, exc)
-        except OSError:
-            pass  # logged by _publish; the kernel was served from memory
 
     # not a daemon: the interpreter joins it at exit, so a short-lived process still publishes
     thread = threading.Thread(target=run, name=f"dsa-aot-publish-{entry.meta.spec_id}")
