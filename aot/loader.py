@@ -52,6 +52,11 @@ class UnsupportedDeviceError(RuntimeError):
     """The GPU's architecture has no kernels (only sm_90a and sm_100a are built)."""
 
 
+class DeterminismUnavailableError(RuntimeError):
+    """``deterministic=True`` and no deterministic kernel can be served for the call (the
+    torch reference is no substitute on a GPU: its scatter-add order varies too)."""
+
+
 def prebuild_command(spec: KernelSpec) -> str:
     return f"dsa-aot prebuild --arch {spec.arch} --only '{spec.id}'"
 
@@ -317,18 +322,21 @@ class Loader:
         return kernel, source
 
     def resolve(self, op: str, arch: str, d_qk: int, heads: int, layout: str, device_index: int, *,
-                skip: frozenset[str] = frozenset()) -> tuple[Any, Resolution]:
+                skip: frozenset[str] = frozenset(), deterministic: bool = False) -> tuple[Any, Resolution]:
         """The kernel to run for one call shape, walking the fallback chain.
 
         Every backend's stored artifact (in ranking order) is tried before anything is
         compiled: a prebuilt kernel of the second backend beats a JIT build of the first.
         A backend whose kernels are specialised on the top-k width is served through
         :class:`~dsa_aot.runners.TopkBuckets` (its spec here is its widest catalog bucket) once
-        any bucket is stored, or can be compiled; ``skip`` leaves backends out.
+        any bucket is stored, or can be compiled; ``skip`` leaves backends out. ``deterministic``
+        walks only the backends with a deterministic kernel for ``arch`` and never ends at the
+        reference (:class:`DeterminismUnavailableError` instead).
         """
         with self._lock:
-            specs = [self._spec(op, arch, d_qk, heads, layout, name) for name in self.ranking(op)
-                     if BACKENDS[name].implements(op) and name not in skip]
+            specs = [self._spec(op, arch, d_qk, heads, layout, name, deterministic) for name in self.ranking(op)
+                     if BACKENDS[name].implements(op) and name not in skip
+                     and (not deterministic or arch in BACKENDS[name].deterministic_archs)]
             for spec in specs:
                 hit = self._stored_buckets(spec, device_index, skip) if spec.topk else self.try_load(spec, device_index)
                 if hit is not None:
@@ -337,12 +345,14 @@ class Loader:
                     return hit[0], Resolution(spec, hit[1], (), hit[2])
             if _settings.get().require_prebuilt and specs:
                 raise MissingPrebuiltError(self._missing_message(specs))
-            return self._jit_or_reference(op, arch, d_qk, heads, layout, specs, device_index, skip)
+            return self._jit_or_reference(op, arch, d_qk, heads, layout, specs, device_index, skip,
+                                          deterministic)
 
-    def _spec(self, op: str, arch: str, d_qk: int, heads: int, layout: str, backend: str) -> KernelSpec:
+    def _spec(self, op: str, arch: str, d_qk: int, heads: int, layout: str, backend: str,
+              deterministic: bool = False) -> KernelSpec:
         widths = self.topk_widths(backend, op, arch) if op in BACKENDS[backend].topk_ops else []
         return KernelSpec(op=op, arch=arch, d_qk=d_qk, heads=heads, layout=layout, backend=backend,
-                          topk=widths[-1] if widths else None)
+                          topk=widths[-1] if widths else None, deterministic=deterministic)
 
     def _stored_buckets(self, spec: KernelSpec, device_index: int, skip: frozenset[str]) -> tuple[Any, str, str] | None:
         """The top-k buckets of ``spec``'s backend when any of them is stored (loaded per width on use)."""
@@ -377,7 +387,7 @@ class Loader:
             self._once(f"no {spec.backend} {spec.op} bucket of {self.topk_widths(spec.backend, spec.op, spec.arch)} "
                        f"serves a call of {spec.id[:spec.id.rindex('-')]}; using the next backend")
             return self.resolve(spec.op, spec.arch, spec.d_qk, spec.heads, spec.layout, device_index,
-                                skip=skip | {spec.backend})[0]
+                                skip=skip | {spec.backend}, deterministic=spec.deterministic)[0]
 
         return TopkBuckets(spec.op, self.topk_widths(spec.backend, spec.op, spec.arch), load, jit, fallback)
 
@@ -391,7 +401,8 @@ class Loader:
 
     def _jit_or_reference(self, op: str, arch: str, d_qk: int, heads: int, layout: str,
                           specs: list[KernelSpec], device_index: int,
-                          skip: frozenset[str] = frozenset()) -> tuple[Any, Resolution]:
+                          skip: frozenset[str] = frozenset(), deterministic: bool = False,
+                          ) -> tuple[Any, Resolution]:
         reasons: list[str] = []
         for spec in specs:
             reason = self._jit_blocker(spec)
@@ -407,6 +418,14 @@ class Loader:
                     reason = f"JIT-built {spec.id} could not be loaded: {exc}"
             reasons.append(reason)
             self._once(f"{spec.id}: {reason}; trying the next backend", logging.WARNING)
+        if deterministic:
+            having = sorted(n for n, b in BACKENDS.items() if arch in b.deterministic_archs)
+            raise DeterminismUnavailableError(
+                f"deterministic=True: no deterministic {op} kernel for {arch} could be served ("
+                + ("; ".join(f"{s.id}: {r}" for s, r in zip(specs, reasons)) or f"no backend builds one for {arch}")
+                + "); backends with one "
+                f"for {arch}: {', '.join(having) or 'none'}. Fix: prebuild its -det specs (`dsa-aot "
+                f"prebuild --arch {arch} --only '*-det'`), or call with deterministic=False.")
         spec = specs[0] if specs else KernelSpec(op=op, arch=arch, d_qk=d_qk, heads=heads, layout=layout)
         message = (f"no compiled kernel for {spec.id} ({'; '.join(reasons) or 'no backend'}); "
                    "falling back to the slow torch reference. "

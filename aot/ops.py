@@ -53,8 +53,9 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.cuda.device(device.index) if _elsewhere(device) else contextlib.nullcontext()
 
 
-def _kernel(op: str, device: torch.device, d_qk: int, heads: int, layout: str):
-    key = (op, device.index, d_qk, heads, layout)
+def _kernel(op: str, device: torch.device, d_qk: int, heads: int, layout: str,
+            deterministic: bool = False):
+    key = (op, device.index, d_qk, heads, layout, deterministic)
     kernel = _KERNELS.get(key)
     if kernel is not None:
         return kernel
@@ -76,7 +77,8 @@ def _kernel(op: str, device: torch.device, d_qk: int, heads: int, layout: str):
                         f"GPU {torch.cuda.get_device_name(index)} is sm_{major}{minor}; dsa-aot kernels are built "
                         "for sm_90a (Hopper) and sm_100a (Blackwell B200/GB200)")
                 with on_device(device):  # a library's load must not move the caller's current device
-                    kernel, _ = get_loader().resolve(op, arch, d_qk, heads, layout, index)
+                    kernel, _ = get_loader().resolve(op, arch, d_qk, heads, layout, index,
+                                                     deterministic=deterministic)
             _KERNELS[key] = kernel
     return kernel
 
@@ -93,6 +95,17 @@ def _sink(heads: int, device: torch.device) -> torch.Tensor:
             sink = torch.full((heads,), float("-inf"), dtype=torch.float32, device=device)
         _SINKS[key] = sink
     return sink
+
+
+def _deterministic(flag: bool | None) -> bool:
+    """A call's ``deterministic`` argument, None meaning the process default."""
+    if flag is None:
+        return _settings.get().deterministic
+    if not isinstance(flag, bool):
+        from dsa_aot.validate import InputError
+
+        raise InputError(f"deterministic={flag!r}: pass True, False or None (None follows DSA_AOT_DETERMINISTIC)")
+    return flag
 
 
 def _launch(kernel, dev: torch.device, heads: int, attn_sink: torch.Tensor | None, scale: float, *tensors):
@@ -124,63 +137,71 @@ def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, *
 def sparse_mla_bwd(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
                    lse: torch.Tensor, topk_idxs: torch.Tensor, *, topk_length: torch.Tensor | None = None,
                    attn_sink: torch.Tensor | None = None, softmax_scale: float | None = None,
+                   deterministic: bool | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Sparse MLA backward from the forward's ``out`` and ``lse``.
 
     Returns dq [S_q, H, D_qk] bf16, dkv [S_kv, D_qk] bf16 and d_sink [H] fp32 (None when
-    ``attn_sink`` is None).
+    ``attn_sink`` is None). ``deterministic=True`` makes every bit of the three reproducible
+    for the same inputs on the same GPU model (no order-dependent atomics; slower, and
+    ``DSA_AOT_DETERMINISTIC_WORKSPACE`` bounds its fp32 dkv shards); None follows
+    ``DSA_AOT_DETERMINISTIC``.
     """
     layout, scale = check_bwd(q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, softmax_scale)
     dev = q.device
     _, heads, d_qk = q.shape
-    kernel = _kernel("bwd", dev, d_qk, heads, layout)
+    kernel = _kernel("bwd", dev, d_qk, heads, layout, _deterministic(deterministic))
     dq, dkv, d_sink = _launch(kernel, dev, heads, attn_sink, scale, q, kv, out, dout, lse, topk_idxs, topk_length)
     return dq, dkv, (d_sink if attn_sink is not None else None)
 
 
 # -- torch.library ops (torch.compile / CUDA graphs) and autograd ------------------------------
+# ``deterministic`` rides on the forward op too: it is the backward's, saved for autograd.
 _FWD_SCHEMA = ("sparse_mla_fwd(Tensor q, Tensor kv, Tensor topk_idxs, Tensor? topk_length, Tensor? attn_sink, "
-               "float? softmax_scale) -> (Tensor, Tensor)")
+               "float? softmax_scale, bool deterministic=False) -> (Tensor, Tensor)")
 _BWD_SCHEMA = ("sparse_mla_bwd(Tensor q, Tensor kv, Tensor out, Tensor dout, Tensor lse, Tensor topk_idxs, "
-               "Tensor? topk_length, Tensor? attn_sink, float? softmax_scale) -> (Tensor, Tensor, Tensor)")
+               "Tensor? topk_length, Tensor? attn_sink, float? softmax_scale, bool deterministic=False) "
+               "-> (Tensor, Tensor, Tensor)")
 
 
-def _fwd_impl(q, kv, topk_idxs, topk_length, attn_sink, softmax_scale):
+def _fwd_impl(q, kv, topk_idxs, topk_length, attn_sink, softmax_scale, deterministic=False):
     return sparse_mla_fwd(q, kv, topk_idxs, topk_length=topk_length, attn_sink=attn_sink,
                           softmax_scale=softmax_scale)
 
 
-def _fwd_meta(q, kv, topk_idxs, topk_length, attn_sink, softmax_scale):
+def _fwd_meta(q, kv, topk_idxs, topk_length, attn_sink, softmax_scale, deterministic=False):
     s_q, heads, _ = q.shape
     return q.new_empty((s_q, heads, 512)), q.new_empty((s_q, heads), dtype=torch.float32)
 
 
-def _bwd_impl(q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, softmax_scale):
+def _bwd_impl(q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, softmax_scale, deterministic=False):
     dq, dkv, d_sink = sparse_mla_bwd(q, kv, out, dout, lse, topk_idxs, topk_length=topk_length,
-                                     attn_sink=attn_sink, softmax_scale=softmax_scale)
+                                     attn_sink=attn_sink, softmax_scale=softmax_scale,
+                                     deterministic=deterministic)
     if d_sink is None:
         d_sink = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device)
     return dq, dkv, d_sink
 
 
-def _bwd_meta(q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, softmax_scale):
+def _bwd_meta(q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, softmax_scale, deterministic=False):
     return (torch.empty_like(q), torch.empty_like(kv),
             q.new_empty((q.shape[1],), dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
-    q, kv, topk_idxs, topk_length, attn_sink, softmax_scale = inputs
+    q, kv, topk_idxs, topk_length, attn_sink, softmax_scale, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, kv, topk_idxs, topk_length, attn_sink, out, lse)
     ctx.softmax_scale = softmax_scale
+    ctx.deterministic = deterministic
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, dlse):
     q, kv, topk_idxs, topk_length, attn_sink, out, lse = ctx.saved_tensors
     dq, dkv, d_sink = _bwd_op(q, kv, out, dout.contiguous(), lse, topk_idxs, topk_length, attn_sink,
-                              ctx.softmax_scale)
-    return dq, dkv, None, None, (d_sink if attn_sink is not None else None), None
+                              ctx.softmax_scale, ctx.deterministic)
+    return dq, dkv, None, None, (d_sink if attn_sink is not None else None), None, None
 
 
 def _no_double_backward(ctx, *grads):
@@ -207,7 +228,10 @@ torch.library.register_autograd("dsa_aot::sparse_mla_bwd", _no_double_backward, 
 
 def sparse_mla(q: torch.Tensor, kv: torch.Tensor, topk_idxs: torch.Tensor, *,
                topk_length: torch.Tensor | None = None, attn_sink: torch.Tensor | None = None,
-               softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               softmax_scale: float | None = None, deterministic: bool | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable sparse MLA: (out, lse); gradients flow to q, kv and attn_sink (lse is not
-    differentiable). Works under torch.compile and CUDA graph capture once kernels are loaded."""
-    return _fwd_op(q, kv, topk_idxs, topk_length, attn_sink, softmax_scale)
+    differentiable). ``deterministic`` is the backward's (see :func:`sparse_mla_bwd`; None
+    follows ``DSA_AOT_DETERMINISTIC`` when this is called). Works under torch.compile and CUDA
+    graph capture once kernels are loaded."""
+    return _fwd_op(q, kv, topk_idxs, topk_length, attn_sink, softmax_scale, _deterministic(deterministic))

@@ -164,13 +164,22 @@ class StagedBwd(BwdKernel):
         dev = q.device
         delta = torch.empty((s_q, heads), dtype=torch.float32, device=dev)
         lse_sink = torch.empty((s_q, heads), dtype=torch.float32, device=dev)
-        d_sink = torch.zeros((heads,), dtype=torch.float32, device=dev)
         dq = torch.empty_like(q)
-        dkv_acc = torch.zeros((s_kv, d_qk), dtype=torch.float32, device=dev)
         dkv = torch.empty((s_kv, d_qk), dtype=torch.bfloat16, device=dev)
         tensors = {"q": q, "kv": kv, "out": out, "dout": dout, "lse": lse, "topk_idxs": topk_idxs,
                    "topk_length": topk_length, "attn_sink": attn_sink, "delta": delta,
-                   "lse_sink": lse_sink, "d_sink": d_sink, "dq": dq, "dkv_acc": dkv_acc, "dkv": dkv}
+                   "lse_sink": lse_sink, "dq": dq, "dkv": dkv}
+        if self.spec.deterministic:
+            from dsa_aot import settings
+
+            shards, parts = deterministic_split(_sm_count(dev), s_q, s_kv, heads, d_qk,
+                                                settings.get().deterministic_workspace_bytes)
+            tensors["dkv_acc"] = torch.zeros((shards, s_kv, d_qk), dtype=torch.float32, device=dev)
+            tensors["d_sink_acc"] = torch.empty((parts, heads), dtype=torch.float32, device=dev)
+            tensors["d_sink"] = torch.empty((heads,), dtype=torch.float32, device=dev)
+        else:
+            tensors["dkv_acc"] = torch.zeros((s_kv, d_qk), dtype=torch.float32, device=dev)
+            tensors["d_sink"] = torch.zeros((heads,), dtype=torch.float32, device=dev)
         args: dict[str, int | float] = {name: _ptr(t) for name, t in tensors.items()}
         args.update(softmax_scale=softmax_scale, s_q=s_q, s_kv=s_kv, topk=topk_idxs.shape[1])
         stream = current_stream(dev)
@@ -179,7 +188,35 @@ class StagedBwd(BwdKernel):
                 kernel.launch(stream, args)
             else:
                 kernel(*[tensors[n] for n in names[0]], stream=stream, **{n: args[n] for n in names[1]})
-        return dq, dkv, d_sink
+        return dq, dkv, tensors["d_sink"]
+
+
+#: Heads per CTA of the deterministic main kernel (its shards come in groups of H / 64 blocks).
+_DET_BLOCK_H = 64
+_SM_COUNT: dict[int, int] = {}
+
+
+def deterministic_split(sms: int, s_q: int, s_kv: int, heads: int, d_qk: int,
+                        workspace_bytes: int) -> tuple[int, int]:
+    """``(dkv shards, d_sink partial sums)`` of a deterministic backward call.
+
+    One fp32 shard per CTA of the main kernel: as many CTAs as the GPU has SMs (rounded down to
+    whole head-block groups), no more than the query rows need, and no more than
+    ``workspace_bytes`` of shards allow (at least one group). The order of every sum, hence
+    every bit of the result, depends on the inputs and this split only.
+    """
+    n_hb = -(-heads // _DET_BLOCK_H)
+    budget = workspace_bytes // (max(1, s_kv * d_qk * 4) * n_hb)
+    groups = max(1, min(sms // n_hb, s_q, budget))
+    return groups * n_hb, max(1, min(1024, -(-s_q // 16)))
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = _SM_COUNT.get(index)
+    if sms is None:
+        sms = _SM_COUNT.setdefault(index, torch.cuda.get_device_properties(index).multi_processor_count)
+    return sms
 
 
 class CubinBwd(StagedBwd):

@@ -97,8 +97,8 @@ def peer_bwd():
 def _served_by(op: str, heads: int, d_qk: int, topk: int) -> str:
     """The backend whose kernel the last call of this shape used (from the runner's spec; a
     top-k bucketed backend reports the bucket's kernel for this width)."""
-    for (kop, _, kd, kh, _), kernel in ops._KERNELS.items():
-        if (kop, kd, kh) == (op, d_qk, heads):
+    for (kop, _, kd, kh, _, det), kernel in ops._KERNELS.items():
+        if (kop, kd, kh, det) == (op, d_qk, heads, False):
             if hasattr(kernel, "kernel_for"):  # runners.TopkBuckets
                 kernel = kernel.kernel_for(topk)[0]
             spec = getattr(kernel, "spec", None)

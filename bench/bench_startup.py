@@ -146,7 +146,7 @@ def dispatch_overhead(n: int = 40000, rounds: int = 8) -> dict[str, object]:
     kv = torch.randn(256, 576, device="cuda").to(torch.bfloat16)
     idx = torch.randint(0, 256, (1, 64), device="cuda", dtype=torch.int32)
     dsa_aot.sparse_mla_fwd(q, kv, idx)
-    kernel = ops._KERNELS[("fwd", q.device.index, 576, 64, "noncompact")]
+    kernel = ops._KERNELS[("fwd", q.device.index, 576, 64, "noncompact", False)]
     raw = kernel.kernel
     sink = ops._sink(64, q.device)
     out = torch.empty(1, 64, 512, device="cuda", dtype=torch.bfloat16)

@@ -126,12 +126,16 @@ class SparseMlaBwdMain:
     """The backward main kernel for one ``(d_qk, heads, layout)``."""
 
     def __init__(self, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
-                 scatter: bool = True, impl: str = "mma") -> None:
+                 scatter: bool = True, impl: str = "mma", deterministic: bool = False) -> None:
         check_params(d_qk, heads, layout)
         if atomic_width not in ATOMIC_WIDTHS:
             raise ValueError(f"atomic_width={atomic_width!r}: use one of {ATOMIC_WIDTHS}")
         if impl not in IMPLS:
             raise ValueError(f"impl={impl!r}: use one of {IMPLS}")
+        if deterministic and impl != "wgmma":
+            raise ValueError(f"deterministic=True is implemented by impl='wgmma' (sm_90a), not {impl!r}")
+        #: per-CTA dkv shards, rows in a fixed order, duplicate slots added in slot order
+        self.deterministic = deterministic
         self.impl = impl
         self.d_qk = d_qk
         self.heads = heads
@@ -474,6 +478,8 @@ class SparseMlaBwdMain:
                                                           cute.cosize(s_p_layout.outer)], 1024]
             s_idx: cute.struct.Align[cute.struct.MemRange[Int32, 2 * BLOCK_N], 16]
             s_valid: cute.struct.Align[cute.struct.MemRange[Int32, 2 * BLOCK_N], 16]
+            s_rank: cute.struct.Align[cute.struct.MemRange[Int32, 2 * BLOCK_N], 16]
+            s_max_rank: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]
             s_lse: cute.struct.Align[cute.struct.MemRange[Float32, BLOCK_H], 16]
             s_delta: cute.struct.Align[cute.struct.MemRange[Float32, BLOCK_H], 16]
 
@@ -494,12 +500,16 @@ class SparseMlaBwdMain:
             BFloat16, BFloat16, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN,
             Float32, (1, 2, 1), (BLOCK_N, WG_CHUNK // 2))
         s_q_rows = cute.size(q, mode=[0])
+        n_hb = (self.heads + BLOCK_H - 1) // BLOCK_H
+        groups = s_q_rows  # deterministic: CTAs per head block = shards per head block
+        if cutlass.const_expr(self.deterministic):
+            groups = cute.size(dkv_acc, mode=[0]) // n_hb
         if s_q_rows > 0:
             self.kernel_wgmma(q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc,
                               softmax_scale, s_q_layout, s_do_layout, s_kv_layout, s_p_layout,
                               s_qt_layout, s_dot_layout, s_kt_layout, s_pt_layout, gmem_copy,
                               mma_s, mma_dq, mma_kv, SharedStorage).launch(
-                grid=[s_q_rows, (self.heads + BLOCK_H - 1) // BLOCK_H, 1],
+                grid=[groups, n_hb, 1],
                 block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
     @cute.kernel
@@ -515,22 +525,32 @@ class SparseMlaBwdMain:
                      SharedStorage: cutlass.Constexpr) -> None:
         d = self.d_qk
         heads = self.heads
+        det = self.deterministic
         n_chunks = (d + WG_CHUNK - 1) // WG_CHUNK
         d_pad = n_chunks * WG_CHUNK
         n_v_chunks = D_V // WG_CHUNK
         for mma in (mma_s, mma_dq, mma_kv):
             mma.set(warpgroup.Field.ACCUMULATE, True)  # accumulators are zero-filled instead
         tidx, _, _ = cute.arch.thread_idx()
-        t, hb, _ = cute.arch.block_idx()
+        t_first, hb, _ = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // 128)
         lane = cute.arch.lane_idx()
         s_kv = cute.size(m_kv, mode=[0])
         topk = cute.size(m_idx, mode=[1])
-        n_slots = topk
-        if cutlass.const_expr(self.compact):
-            n_slots = cutlass.max(cutlass.min(m_len[t], topk), Int32(0))
-        n_blocks = (n_slots + BLOCK_N - 1) // BLOCK_N
         scale_log2 = softmax_scale * Float32(LOG2E)
+        # fast: this CTA's query row, dkv_acc [s_kv, D]; deterministic: query rows t_first,
+        # t_first + groups, ... in order, all added into this CTA's own shard of dkv_acc
+        # [groups * n_hb, s_kv, D] (one writer per shard)
+        t_stop = t_first + 1
+        t_step = Int32(1)
+        dkv_base = m_dkv.iterator
+        dkv_row_stride = m_dkv.stride[0]
+        if cutlass.const_expr(det):
+            n_hb = (heads + BLOCK_H - 1) // BLOCK_H
+            t_stop = cute.size(m_q, mode=[0])
+            t_step = cute.size(m_dkv, mode=[0]) // n_hb
+            dkv_base = m_dkv.iterator + Int64(t_first * n_hb + hb) * m_dkv.stride[0]
+            dkv_row_stride = m_dkv.stride[1]
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -546,34 +566,13 @@ class SparseMlaBwdMain:
         s_dst = cute.make_tensor(s_ds.iterator, s_pt_layout.outer)    # (n, h)
         s_idx = storage.s_idx.get_tensor(cute.make_layout(2 * BLOCK_N))
         s_valid = storage.s_valid.get_tensor(cute.make_layout(2 * BLOCK_N))
+        s_rank = storage.s_rank.get_tensor(cute.make_layout(2 * BLOCK_N))
+        s_max_rank = storage.s_max_rank.get_tensor(cute.make_layout(4))
         s_lse = storage.s_lse.get_tensor(cute.make_layout(BLOCK_H))
         s_delta = storage.s_delta.get_tensor(cute.make_layout(BLOCK_H))
-
-        # ---- q, dout -> shared (cp.async), lse/delta -> shared --------------------------------
         thr_copy = gmem_copy.get_slice(tidx)
         rows_per_pass = THREADS // (64 // VEC)
         row_in_pass = tidx // (64 // VEC)
-        for src, dst, width in ((m_q, s_q, d), (m_do, s_do, D_V)):
-            g_src = cute.local_tile(src[t, None, None], (BLOCK_H, width), (hb, 0))
-            t_g = thr_copy.partition_S(g_src)
-            t_s = thr_copy.partition_D(dst)
-            for m in cutlass.range_constexpr(cute.size(t_s, mode=[1])):
-                if cutlass.const_expr(heads >= BLOCK_H):
-                    cute.copy(gmem_copy, t_g[None, m, None], t_s[None, m, None])
-                else:
-                    if row_in_pass + m * rows_per_pass < heads:
-                        cute.copy(gmem_copy, t_g[None, m, None], t_s[None, m, None])
-                    else:
-                        t_s[None, m, None].fill(0)
-        if tidx < BLOCK_H:
-            head = hb * BLOCK_H + tidx
-            lse_val = Float32(_INF)
-            delta_val = Float32(0.0)
-            if head < heads:
-                lse_val = m_lse[t, head] * Float32(LOG2E)
-                delta_val = m_delta[t, head]
-            s_lse[tidx] = lse_val
-            s_delta[tidx] = delta_val
         t_g_kv = thr_copy.partition_S(cute.local_tile(m_kv, (BLOCK_N, d), (0, 0)))
         t_s_kv = thr_copy.partition_D(s_kv_t)
         kv_row_stride = m_kv.stride[0]
@@ -597,7 +596,6 @@ class SparseMlaBwdMain:
         thr_dq = mma_dq.get_slice(tidx)
         thr_kv = mma_kv.get_slice(tidx)
         acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((BLOCK_H, d_pad)), Float32)
-        acc_dq.fill(0.0)
         acc_shape = thr_s.partition_shape_C((BLOCK_H, BLOCK_N))
         kv_shape = thr_kv.partition_shape_C((BLOCK_N, WG_CHUNK))
         coords = wg_rows_cols(thr_s.partition_C(cute.make_identity_tensor((BLOCK_H, BLOCK_N))))
@@ -610,110 +608,193 @@ class SparseMlaBwdMain:
         thr_store_c = store_c.get_slice(tidx)
         t_s_p_c = thr_store_c.partition_D(s_p)
         t_s_ds_c = thr_store_c.partition_D(s_ds)
-
-        # ---- prologue: block 0 in flight ---------------------------------------------------
-        if n_blocks > 0:
-            first = self.load_indices(0, t, m_idx, n_slots, row_in_pass)
-            self.gather(first, 0, s_kv, t_g_kv, kv_row_stride, t_s_kv, s_idx, s_valid,
-                        gmem_copy, row_in_pass, tidx)
-        cute.arch.cp_async_commit_group()
-
-        for b in cutlass.range(n_blocks, unroll=1):
-            buf = (b % 2) * BLOCK_N
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.fence_view_async_shared()  # cp.async / zero-fill writes -> wgmma reads
-            cute.arch.barrier()
-            upcoming = self.load_indices(b + 1, t, m_idx, n_slots, row_in_pass)
-
-            # S = Q K^T and dP = dO V^T (this warpgroup's 32 slots)
-            acc_s = cute.make_rmem_tensor(acc_shape, Float32)
-            acc_dp = cute.make_rmem_tensor(acc_shape, Float32)
-            acc_s.fill(0.0)
-            acc_dp.fill(0.0)
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(d // 16):
-                cute.gemm(mma_s, acc_s, r_q[None, None, k], r_k[None, None, k], acc_s)
-            for k in cutlass.range_constexpr(D_V // 16):
-                cute.gemm(mma_s, acc_dp, r_do[None, None, k], r_k[None, None, k], acc_dp)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-
-            acc_s_rc = wg_rows_cols(acc_s)
-            acc_dp_rc = wg_rows_cols(acc_dp)
-            col_ok = [s_valid[buf + coords[0, j][1]] for j in range(cols_per_thread)]
-            for r in cutlass.range_constexpr(rows_per_thread):
-                row = coords[r, 0][0]
-                lse_r = s_lse[row]
-                delta_r = s_delta[row]
-                for j in cutlass.range_constexpr(cols_per_thread):
-                    x = acc_s_rc[r, j] * scale_log2 - lse_r
-                    if col_ok[j] == 0:
-                        x = Float32(-_INF)
-                    p = cute.math.exp2(x, fastmath=True)
-                    acc_s_rc[r, j] = p
-                    acc_dp_rc[r, j] = p * (acc_dp_rc[r, j] - delta_r) * softmax_scale
-            r_p16 = cute.make_fragment_like(acc_s, BFloat16)
-            r_p16.store(acc_s.load().to(BFloat16))
-            r_ds16 = cute.make_fragment_like(acc_dp, BFloat16)
-            r_ds16.store(acc_dp.load().to(BFloat16))
-            cute.copy(store_c, thr_store_c.retile(r_p16), t_s_p_c)
-            cute.copy(store_c, thr_store_c.retile(r_ds16), t_s_ds_c)
-            cute.arch.fence_view_async_shared()  # P / dS stores -> wgmma reads
-            cute.arch.barrier()
-
-            # dQ += dS K, then the first dKV chunk; the next gather waits for dQ only
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(BLOCK_N // 16):
-                cute.gemm(mma_dq, acc_dq, r_ds[None, None, k], r_kt[None, None, k], acc_dq)
-            warpgroup.commit_group()
-            if cutlass.const_expr(self.atomic_width == 4):
-                odd = lane % 2
-                my_n = kv_coords[0, 0][0] + (kv_coords[1, 0][0] - kv_coords[0, 0][0]) * odd
-                row_ok = [s_valid[buf + my_n]]
-                row_ptr = [m_dkv.iterator + Int64(s_idx[buf + my_n]) * m_dkv.stride[0]]
-            else:
-                row_ok = [s_valid[buf + kv_coords[r, 0][0]] for r in range(rows_per_thread)]
-                row_ptr = [m_dkv.iterator + Int64(s_idx[buf + kv_coords[r, 0][0]])
-                           * m_dkv.stride[0] for r in range(rows_per_thread)]
-            acc_kv = [cute.make_rmem_tensor(kv_shape, Float32) for _ in range(2)]
-            for c in cutlass.range_constexpr(n_chunks):
-                acc = acc_kv[c % 2]
-                acc.fill(0.0)
-                warpgroup.fence()
-                for k in cutlass.range_constexpr(BLOCK_H // 16):
-                    cute.gemm(mma_kv, acc, r_dst[None, None, k], r_qt[c][None, None, k], acc)
-                if cutlass.const_expr(c < n_v_chunks):
-                    for k in cutlass.range_constexpr(BLOCK_H // 16):
-                        cute.gemm(mma_kv, acc, r_pt[None, None, k], r_dot[c][None, None, k], acc)
-                warpgroup.commit_group()
-                warpgroup.wait_group(1)  # dQ (c = 0) or chunk c - 1 is done
-                if cutlass.const_expr(c == 0):
-                    cute.arch.barrier()  # both warpgroups are past dQ: the KV tile is free
-                    if b + 1 < n_blocks:
-                        self.gather(upcoming, BLOCK_N - buf, s_kv, t_g_kv, kv_row_stride,
-                                    t_s_kv, s_idx, s_valid, gmem_copy, row_in_pass, tidx)
-                    cute.arch.cp_async_commit_group()
-                else:
-                    self.scatter_chunk(wg_rows_cols(acc_kv[(c - 1) % 2]), kv_coords, row_ok,
-                                       row_ptr, (c - 1) * WG_CHUNK, lane)
-            warpgroup.wait_group(0)
-            self.scatter_chunk(wg_rows_cols(acc_kv[(n_chunks - 1) % 2]), kv_coords, row_ok,
-                               row_ptr, (n_chunks - 1) * WG_CHUNK, lane,
-                               d if d < d_pad else None)
-
-        # ---- epilogue: dq in bf16 ------------------------------------------------------------
-        cute.arch.cp_async_wait_group(0)
-        g_dq = cute.local_tile(m_dq[t, None, None], (BLOCK_H, d_pad), (hb, 0))
-        t_g = thr_dq.partition_C(g_dq)
         c_dq = thr_dq.partition_C(cute.make_identity_tensor((BLOCK_H, d_pad)))
-        r_o = cute.make_fragment_like(acc_dq, BFloat16)
-        r_o.store(acc_dq.load().to(BFloat16))
-        for i in cutlass.range_constexpr(cute.size(r_o)):
-            if cutlass.const_expr(heads >= BLOCK_H and d == d_pad):
-                t_g[i] = r_o[i]
-            else:
-                if (c_dq[i][0] < heads) & (c_dq[i][1] < d):
+
+        for t in cutlass.range(t_first, t_stop, t_step, unroll=1):
+            n_slots = topk
+            if cutlass.const_expr(self.compact):
+                n_slots = cutlass.max(cutlass.min(m_len[t], topk), Int32(0))
+            n_blocks = (n_slots + BLOCK_N - 1) // BLOCK_N
+            if cutlass.const_expr(det):
+                cute.arch.barrier()  # the previous row's MMAs no longer read q / dout / lse
+
+            # ---- q, dout -> shared (cp.async), lse/delta -> shared ----------------------------
+            for src, dst, width in ((m_q, s_q, d), (m_do, s_do, D_V)):
+                g_src = cute.local_tile(src[t, None, None], (BLOCK_H, width), (hb, 0))
+                t_g = thr_copy.partition_S(g_src)
+                t_s = thr_copy.partition_D(dst)
+                for m in cutlass.range_constexpr(cute.size(t_s, mode=[1])):
+                    if cutlass.const_expr(heads >= BLOCK_H):
+                        cute.copy(gmem_copy, t_g[None, m, None], t_s[None, m, None])
+                    else:
+                        if row_in_pass + m * rows_per_pass < heads:
+                            cute.copy(gmem_copy, t_g[None, m, None], t_s[None, m, None])
+                        else:
+                            t_s[None, m, None].fill(0)
+            if tidx < BLOCK_H:
+                head = hb * BLOCK_H + tidx
+                lse_val = Float32(_INF)
+                delta_val = Float32(0.0)
+                if head < heads:
+                    lse_val = m_lse[t, head] * Float32(LOG2E)
+                    delta_val = m_delta[t, head]
+                s_lse[tidx] = lse_val
+                s_delta[tidx] = delta_val
+            acc_dq.fill(0.0)
+
+            # ---- prologue: block 0 in flight -----------------------------------------------
+            if n_blocks > 0:
+                first = self.load_indices(0, t, m_idx, n_slots, row_in_pass)
+                self.gather(first, 0, s_kv, t_g_kv, kv_row_stride, t_s_kv, s_idx, s_valid,
+                            gmem_copy, row_in_pass, tidx)
+            cute.arch.cp_async_commit_group()
+
+            for b in cutlass.range(n_blocks, unroll=1):
+                buf = (b % 2) * BLOCK_N
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.fence_view_async_shared()  # cp.async / zero-fill writes -> wgmma reads
+                cute.arch.barrier()
+                upcoming = self.load_indices(b + 1, t, m_idx, n_slots, row_in_pass)
+                if cutlass.const_expr(det):
+                    self.rank_duplicates(buf, s_idx, s_valid, s_rank, s_max_rank, tidx, lane)
+
+                # S = Q K^T and dP = dO V^T (this warpgroup's 32 slots)
+                acc_s = cute.make_rmem_tensor(acc_shape, Float32)
+                acc_dp = cute.make_rmem_tensor(acc_shape, Float32)
+                acc_s.fill(0.0)
+                acc_dp.fill(0.0)
+                warpgroup.fence()
+                for k in cutlass.range_constexpr(d // 16):
+                    cute.gemm(mma_s, acc_s, r_q[None, None, k], r_k[None, None, k], acc_s)
+                for k in cutlass.range_constexpr(D_V // 16):
+                    cute.gemm(mma_s, acc_dp, r_do[None, None, k], r_k[None, None, k], acc_dp)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+
+                acc_s_rc = wg_rows_cols(acc_s)
+                acc_dp_rc = wg_rows_cols(acc_dp)
+                col_ok = [s_valid[buf + coords[0, j][1]] for j in range(cols_per_thread)]
+                for r in cutlass.range_constexpr(rows_per_thread):
+                    row = coords[r, 0][0]
+                    lse_r = s_lse[row]
+                    delta_r = s_delta[row]
+                    for j in cutlass.range_constexpr(cols_per_thread):
+                        x = acc_s_rc[r, j] * scale_log2 - lse_r
+                        if col_ok[j] == 0:
+                            x = Float32(-_INF)
+                        p = cute.math.exp2(x, fastmath=True)
+                        acc_s_rc[r, j] = p
+                        acc_dp_rc[r, j] = p * (acc_dp_rc[r, j] - delta_r) * softmax_scale
+                r_p16 = cute.make_fragment_like(acc_s, BFloat16)
+                r_p16.store(acc_s.load().to(BFloat16))
+                r_ds16 = cute.make_fragment_like(acc_dp, BFloat16)
+                r_ds16.store(acc_dp.load().to(BFloat16))
+                cute.copy(store_c, thr_store_c.retile(r_p16), t_s_p_c)
+                cute.copy(store_c, thr_store_c.retile(r_ds16), t_s_ds_c)
+                cute.arch.fence_view_async_shared()  # P / dS stores -> wgmma reads
+                cute.arch.barrier()
+
+                # dQ += dS K, then the first dKV chunk; the next gather waits for dQ only
+                warpgroup.fence()
+                for k in cutlass.range_constexpr(BLOCK_N // 16):
+                    cute.gemm(mma_dq, acc_dq, r_ds[None, None, k], r_kt[None, None, k], acc_dq)
+                warpgroup.commit_group()
+                if cutlass.const_expr(self.atomic_width == 4):
+                    odd = lane % 2
+                    my_n = kv_coords[0, 0][0] + (kv_coords[1, 0][0] - kv_coords[0, 0][0]) * odd
+                    slots = [buf + my_n]
+                else:
+                    slots = [buf + kv_coords[r, 0][0] for r in range(rows_per_thread)]
+                row_ok = [s_valid[s] for s in slots]
+                row_ptr = [dkv_base + Int64(s_idx[s]) * dkv_row_stride for s in slots]
+                ranks = []
+                max_rank = Int32(0)
+                if cutlass.const_expr(det):  # phase 0 adds each slot that repeats no earlier one
+                    ranks = [s_rank[s] for s in slots]
+                    row_ok = [self.flag(ok, rk, Int32(0)) for ok, rk in zip(row_ok, ranks)]
+                    half = (b % 2) * 2
+                    max_rank = cutlass.max(s_max_rank[half], s_max_rank[half + 1])
+                acc_kv = [cute.make_rmem_tensor(kv_shape, Float32) for _ in range(2)]
+                for c in cutlass.range_constexpr(n_chunks):
+                    acc = acc_kv[c % 2]
+                    acc.fill(0.0)
+                    warpgroup.fence()
+                    for k in cutlass.range_constexpr(BLOCK_H // 16):
+                        cute.gemm(mma_kv, acc, r_dst[None, None, k], r_qt[c][None, None, k], acc)
+                    if cutlass.const_expr(c < n_v_chunks):
+                        for k in cutlass.range_constexpr(BLOCK_H // 16):
+                            cute.gemm(mma_kv, acc, r_pt[None, None, k], r_dot[c][None, None, k],
+                                      acc)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(1)  # dQ (c = 0) or chunk c - 1 is done
+                    if cutlass.const_expr(c == 0):
+                        cute.arch.barrier()  # both warpgroups are past dQ: the KV tile is free
+                        if b + 1 < n_blocks:
+                            self.gather(upcoming, BLOCK_N - buf, s_kv, t_g_kv, kv_row_stride,
+                                        t_s_kv, s_idx, s_valid, gmem_copy, row_in_pass, tidx)
+                        cute.arch.cp_async_commit_group()
+                    else:
+                        self.scatter_ordered(wg_rows_cols(acc_kv[(c - 1) % 2]), kv_coords, row_ok,
+                                             row_ptr, ranks, max_rank, (c - 1) * WG_CHUNK, lane)
+                warpgroup.wait_group(0)
+                self.scatter_ordered(wg_rows_cols(acc_kv[(n_chunks - 1) % 2]), kv_coords, row_ok,
+                                     row_ptr, ranks, max_rank, (n_chunks - 1) * WG_CHUNK, lane,
+                                     d if d < d_pad else None)
+
+            # ---- epilogue: dq in bf16 --------------------------------------------------------
+            cute.arch.cp_async_wait_group(0)
+            g_dq = cute.local_tile(m_dq[t, None, None], (BLOCK_H, d_pad), (hb, 0))
+            t_g = thr_dq.partition_C(g_dq)
+            r_o = cute.make_fragment_like(acc_dq, BFloat16)
+            r_o.store(acc_dq.load().to(BFloat16))
+            for i in cutlass.range_constexpr(cute.size(r_o)):
+                if cutlass.const_expr(heads >= BLOCK_H and d == d_pad):
                     t_g[i] = r_o[i]
+                else:
+                    if (c_dq[i][0] < heads) & (c_dq[i][1] < d):
+                        t_g[i] = r_o[i]
+
+    @cute.jit
+    def flag(self, ok: Int32, rank: Int32, phase: Int32) -> Int32:
+        """1 where a valid slot's duplicate rank is ``phase``, else 0."""
+        out = Int32(0)
+        if (ok != 0) & (rank == phase):
+            out = Int32(1)
+        return out
+
+    @cute.jit
+    def rank_duplicates(self, buf: Int32, s_idx: cute.Tensor, s_valid: cute.Tensor,
+                        s_rank: cute.Tensor, s_max_rank: cute.Tensor, tidx: Int32,
+                        lane: Int32) -> None:
+        """Deterministic mode: the rank of each valid slot of the block at ``buf`` among the
+        earlier valid slots with the same index (0 for the first), and the block's largest rank
+        (one value per warp of the first two). Read after the next CTA barrier."""
+        if tidx < BLOCK_N:
+            mine = s_idx[buf + tidx]
+            rank = Int32(0)
+            for j in cutlass.range(tidx, unroll=1):
+                if (s_valid[buf + j] != 0) & (s_idx[buf + j] == mine):
+                    rank = rank + 1
+            if s_valid[buf + tidx] == 0:
+                rank = Int32(0)
+            s_rank[buf + tidx] = rank
+            for offset in (16, 8, 4, 2, 1):
+                rank = cutlass.max(rank, cute.arch.shuffle_sync_bfly(rank, offset=offset))
+            if lane == 0:
+                s_max_rank[(buf // BLOCK_N) * 2 + tidx // 32] = rank
+
+    @cute.jit
+    def scatter_ordered(self, acc: cute.Tensor, coords: cute.Tensor, row_ok: list,
+                        row_ptr: list, ranks: list, max_rank: Int32, col0: Int32, lane: Int32,
+                        limit: cutlass.Constexpr = None) -> None:
+        """:meth:`scatter_chunk`; in deterministic mode then once more per duplicate rank, each
+        pass after a CTA barrier, so the adds into one address keep the slots' order."""
+        self.scatter_chunk(acc, coords, row_ok, row_ptr, col0, lane, limit)
+        if cutlass.const_expr(self.deterministic):
+            for phase in cutlass.range(1, max_rank + 1, unroll=1):
+                cute.arch.barrier()
+                again = [self.flag(Int32(1), rk, phase) for rk in ranks]
+                self.scatter_chunk(acc, coords, again, row_ptr, col0, lane, limit)
 
     @cute.jit
     def scatter_chunk(self, acc: cute.Tensor, coords: cute.Tensor, row_ok: list, row_ptr: list,
@@ -834,7 +915,8 @@ class SparseMlaBwdMainNoncompact(SparseMlaBwdMain):
                     softmax_scale, stream)
 
 
-def fake_arguments(d_qk: int, heads: int, layout: str) -> dict[str, object]:
+def fake_arguments(d_qk: int, heads: int, layout: str, deterministic: bool = False,
+                   ) -> dict[str, object]:
     """Dynamic-shape stand-ins for every argument, in call order.
 
     ``s_q``, ``s_kv`` and ``topk`` are run-time; heads and head dims are compile-time. The last
@@ -858,8 +940,11 @@ def fake_arguments(d_qk: int, heads: int, layout: str) -> dict[str, object]:
         "lse_sink": fake(Float32, (s_q, heads), (cute.sym_int64(), 1), 4),
         "delta": fake(Float32, (s_q, heads), (cute.sym_int64(), 1), 4),
         "dq": fake(BFloat16, (s_q, heads, d_qk), (vec_stride(), vec_stride(), 1), 16),
-        # 16-byte aligned rows for the 4-wide atomics
-        "dkv_acc": fake(Float32, (s_kv, d_qk), (cute.sym_int64(divisibility=4), 1), 16),
+        # 16-byte aligned rows for the 4-wide atomics; deterministic: [shards, s_kv, d_qk]
+        "dkv_acc": (fake(Float32, (cute.sym_int32(symbol="shards"), s_kv, d_qk),
+                         (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), 1), 16)
+                    if deterministic else
+                    fake(Float32, (s_kv, d_qk), (cute.sym_int64(divisibility=4), 1), 16)),
         "softmax_scale": Float32(1.0),
         "stream": cuda.CUstream(0),
     }
@@ -868,7 +953,7 @@ def fake_arguments(d_qk: int, heads: int, layout: str) -> dict[str, object]:
 
 def compile_bwd_main(arch: str, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
                      scatter: bool = True, impl: str = "mma", extra_options: str = "",
-                     ) -> tuple[object, dict[str, object]]:
+                     deterministic: bool = False) -> tuple[object, dict[str, object]]:
     """``cute.compile`` the kernel for ``arch`` (``CUTE_DSL_ARCH=<arch>`` set before import).
 
     ``impl="wgmma"`` (sm_90a only) selects the warpgroup-MMA flavour. Returns the compiled
@@ -876,9 +961,10 @@ def compile_bwd_main(arch: str, d_qk: int, heads: int, layout: str, atomic_width
     """
     if impl == "wgmma" and arch != "sm_90a":
         raise ValueError(f"impl='wgmma' needs sm_90a, not {arch}; use impl='mma'")
-    fakes = fake_arguments(d_qk, heads, layout)
+    fakes = fake_arguments(d_qk, heads, layout, deterministic)
     cls = SparseMlaBwdMainCompact if layout == "compact" else SparseMlaBwdMainNoncompact
-    kernel = cls(d_qk, heads, layout, atomic_width=atomic_width, scatter=scatter, impl=impl)
+    kernel = cls(d_qk, heads, layout, atomic_width=atomic_width, scatter=scatter, impl=impl,
+                 deterministic=deterministic)
     compiled = cute.compile(kernel, *fakes.values(),
                             options=f"--gpu-arch {arch} {extra_options}".strip())
     return compiled, fakes

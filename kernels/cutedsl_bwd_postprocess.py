@@ -4,12 +4,18 @@ Round-to-nearest-even conversion, 8 columns per thread (two 16-byte loads, one 1
 ``s_kv`` and ``D`` are run-time sizes (``D`` a multiple of 64, e.g. 512 or 576); columns are
 contiguous, row strides are run-time multiples of 8 elements with 16-byte aligned bases.
 
+Deterministic mode (:class:`SparseMlaBwdFold`): ``dkv_acc`` [shards, s_kv, D] holds one partial
+sum per main-kernel CTA and ``d_sink_acc`` [parts, H] one per preprocess CTA; both are added in
+index order (a fixed order, so the result is the same bits on every call), then ``dkv`` is
+rounded to bf16 and ``d_sink`` [H] stored.
+
 This module imports ``cutlass``: use it in a build process only.
 """
 
 from __future__ import annotations
 
 import cuda.bindings.driver as cuda
+import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
@@ -45,8 +51,46 @@ class SparseMlaBwdPostprocess:
             dst.store(src.load().to(BFloat16))
 
 
-def fake_arguments() -> dict[str, object]:
-    """Dynamic-shape stand-ins for every argument, in call order (``s_kv``, ``D`` run-time)."""
+class SparseMlaBwdFold:
+    """Deterministic mode: shards and partial sums added in index order, then converted."""
+
+    @cute.jit
+    def __call__(self, dkv_acc: cute.Tensor, dkv: cute.Tensor, d_sink_acc: cute.Tensor,
+                 d_sink: cute.Tensor, stream: cuda.CUstream) -> None:
+        s_kv = cute.size(dkv_acc, mode=[1])
+        col_vecs = cute.size(dkv_acc, mode=[2]) // VEC
+        items = s_kv * col_vecs
+        heads = cute.size(d_sink, mode=[0])
+        ctas = cutlass.max((items + THREADS - 1) // THREADS, (heads + THREADS - 1) // THREADS)
+        self.kernel(dkv_acc, dkv, d_sink_acc, d_sink, items, col_vecs).launch(
+            grid=[ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, dkv_acc: cute.Tensor, dkv: cute.Tensor, d_sink_acc: cute.Tensor,
+               d_sink: cute.Tensor, items: Int32, col_vecs: Int32) -> None:
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        item = bidx * THREADS + tidx
+        if item < items:
+            row = item // col_vecs
+            col = item - row * col_vecs
+            acc = cute.make_rmem_tensor(VEC, Float32)
+            acc.fill(0.0)
+            for shard in cutlass.range(cute.size(dkv_acc, mode=[0]), unroll=4):
+                part = cute.local_tile(dkv_acc[shard, row, None], (VEC,), (col,))
+                acc.store(acc.load() + part.load())
+            dst = cute.local_tile(dkv[row, None], (VEC,), (col,))
+            dst.store(acc.load().to(BFloat16))
+        if item < cute.size(d_sink, mode=[0]):
+            total = Float32(0.0)
+            for part in cutlass.range(cute.size(d_sink_acc, mode=[0]), unroll=1):
+                total = total + d_sink_acc[part, item]
+            d_sink[item] = total
+
+
+def fake_arguments(deterministic: bool = False) -> dict[str, object]:
+    """Dynamic-shape stand-ins for every argument, in call order (``s_kv``, ``D`` run-time;
+    deterministic: also the number of shards, of ``d_sink`` partial sums and ``H``)."""
     s_kv = cute.sym_int32(symbol="s_kv")
     d = cute.sym_int32(divisibility=64, symbol="d")
 
@@ -54,12 +98,25 @@ def fake_arguments() -> dict[str, object]:
         return cute.runtime.make_fake_tensor(dtype, (s_kv, d), (cute.sym_int64(divisibility=VEC), 1),
                                              assumed_align=16)
 
-    return {"dkv_acc": matrix(Float32), "dkv": matrix(BFloat16), "stream": cuda.CUstream(0)}
+    if not deterministic:
+        return {"dkv_acc": matrix(Float32), "dkv": matrix(BFloat16), "stream": cuda.CUstream(0)}
+    heads = cute.sym_int32(symbol="heads")
+    shards = cute.runtime.make_fake_tensor(
+        Float32, (cute.sym_int32(symbol="shards"), s_kv, d),
+        (cute.sym_int64(divisibility=VEC), cute.sym_int64(divisibility=VEC), 1), assumed_align=16)
+    parts = cute.runtime.make_fake_tensor(Float32, (cute.sym_int32(symbol="parts"), heads),
+                                          (cute.sym_int64(), 1), assumed_align=4)
+    return {"dkv_acc": shards, "dkv": matrix(BFloat16), "d_sink_acc": parts,
+            "d_sink": cute.runtime.make_fake_tensor(Float32, (heads,), (1,), assumed_align=4),
+            "stream": cuda.CUstream(0)}
 
 
-def compile_bwd_postprocess(arch: str, extra_options: str = "") -> tuple[object, dict[str, object]]:
-    """``cute.compile`` the kernel for ``arch`` (``CUTE_DSL_ARCH=<arch>`` set before import)."""
-    fakes = fake_arguments()
-    compiled = cute.compile(SparseMlaBwdPostprocess(), *fakes.values(),
+def compile_bwd_postprocess(arch: str, extra_options: str = "", deterministic: bool = False,
+                            ) -> tuple[object, dict[str, object]]:
+    """``cute.compile`` the kernel for ``arch`` (``CUTE_DSL_ARCH=<arch>`` set before import);
+    ``deterministic`` compiles :class:`SparseMlaBwdFold` instead."""
+    fakes = fake_arguments(deterministic)
+    kernel = SparseMlaBwdFold() if deterministic else SparseMlaBwdPostprocess()
+    compiled = cute.compile(kernel, *fakes.values(),
                             options=f"--gpu-arch {arch} {extra_options}".strip())
     return compiled, fakes

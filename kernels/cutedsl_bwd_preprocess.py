@@ -9,6 +9,9 @@ an empty row) and ``attn_sink`` [H] fp32 the kernel writes
 * ``d_sink[h] += -sum_t p_sink[t, h] * delta[t, h]`` with ``p_sink = exp(sink - lse_sink)``,
   defined as 1 for ``sink = +inf`` and 0 for ``sink = -inf`` or ``lse_sink = +inf`` so it is
   finite for every legal input. The caller zeroes ``d_sink``; the kernel adds with atomics.
+  Deterministic mode (:class:`SparseMlaBwdPreprocessDeterministic`): each CTA stores its partial
+  sum ``d_sink_acc[c, h]`` instead, over a fixed set of rows, and the postprocess adds them in
+  order.
 
 ``s_q`` and ``H`` are run-time sizes (one compiled artifact serves every shape); the head
 dimension is fixed at 512 and must be contiguous, row and head strides are run-time values
@@ -26,7 +29,7 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Boolean, Float32
+from cutlass import BFloat16, Boolean, Float32, Int32
 
 #: Value head dim of MLA; the only size that is fixed at compile time.
 D_V = 512
@@ -56,6 +59,7 @@ class SparseMlaBwdPreprocess:
             raise ValueError("use_isfinite=True, but this CuTe DSL has no cute.math.isfinite "
                              "(added in nvidia-cutlass-dsl 4.6); build with use_isfinite=False")
         self.use_isfinite = use_isfinite
+        self.deterministic = False
 
     def _finite(self, x: Float32) -> Boolean:
         if self.use_isfinite:
@@ -66,11 +70,20 @@ class SparseMlaBwdPreprocess:
     def __call__(self, out: cute.Tensor, dout: cute.Tensor, lse: cute.Tensor,
                  attn_sink: cute.Tensor, delta: cute.Tensor, lse_sink: cute.Tensor,
                  d_sink: cute.Tensor, stream: cuda.CUstream) -> None:
+        self.launch(out, dout, lse, attn_sink, delta, lse_sink, d_sink, stream)
+
+    @cute.jit
+    def launch(self, out: cute.Tensor, dout: cute.Tensor, lse: cute.Tensor,
+               attn_sink: cute.Tensor, delta: cute.Tensor, lse_sink: cute.Tensor,
+               d_sink: cute.Tensor, stream: cuda.CUstream) -> None:
         s_q = cute.size(out, mode=[0])
         heads = cute.size(out, mode=[1])
+        ctas = (s_q + ROWS_PER_CTA - 1) // ROWS_PER_CTA
+        if cutlass.const_expr(self.deterministic):
+            ctas = cute.size(d_sink, mode=[0])
         if s_q > 0:
             self.kernel(out, dout, lse, attn_sink, delta, lse_sink, d_sink).launch(
-                grid=[(s_q + ROWS_PER_CTA - 1) // ROWS_PER_CTA, (heads + WARPS - 1) // WARPS, 1],
+                grid=[ctas, (heads + WARPS - 1) // WARPS, 1],
                 block=[32 * WARPS, 1, 1], stream=stream)
 
     @cute.kernel
@@ -82,43 +95,72 @@ class SparseMlaBwdPreprocess:
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
         bx, by, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
         h = by * WARPS + warp
         if h < heads:
             sink = attn_sink[h]
             acc = Float32(0.0)
-            row_end = cutlass.min(bx * ROWS_PER_CTA + ROWS_PER_CTA, s_q)
-            for t in cutlass.range(bx * ROWS_PER_CTA, row_end):
-                o_row = out[t, h, None]
-                g_row = dout[t, h, None]
-                dot = Float32(0.0)
-                for k in cutlass.range_constexpr(D_V // (32 * VEC)):
-                    o_vec = cute.local_tile(o_row, (VEC,), (lane + 32 * k,)).load().to(Float32)
-                    g_vec = cute.local_tile(g_row, (VEC,), (lane + 32 * k,)).load().to(Float32)
-                    dot = dot + (o_vec * g_vec).reduce(cute.ReductionOp.ADD, Float32(0.0),
-                                                      reduction_profile=0)
-                dot = cute.arch.warp_reduction_sum(dot)
-
-                row_lse = lse[t, h]
-                top = cutlass.max(row_lse, sink)
-                merged = top  # an infinite max is already logaddexp; never shift by it
-                if self._finite(top):
-                    merged = top + cute.math.log(cute.math.exp(row_lse - top)
-                                                 + cute.math.exp(sink - top))
-                p_sink = Float32(0.0)
-                if sink == Float32(_INF):
-                    p_sink = Float32(1.0)
-                elif self._finite(sink) & self._finite(merged):
-                    p_sink = cute.math.exp(sink - merged)
-                acc = acc - p_sink * dot
-                if lane == 0:
-                    delta[t, h] = dot
-                    lse_sink[t, h] = merged
+            n_chunks = (s_q + ROWS_PER_CTA - 1) // ROWS_PER_CTA
+            # fast: chunk bx only; deterministic: chunks bx, bx + ctas, ... in order
+            for chunk in cutlass.range(bx, n_chunks, ctas, unroll=1):
+                row_end = cutlass.min(chunk * ROWS_PER_CTA + ROWS_PER_CTA, s_q)
+                for t in cutlass.range(chunk * ROWS_PER_CTA, row_end):
+                    acc = acc - self.row(out, dout, lse, delta, lse_sink, sink, t, h, lane)
             if lane == 0:
-                cute.arch.atomic_add((d_sink.iterator + h).llvm_ptr, acc)
+                if cutlass.const_expr(self.deterministic):
+                    d_sink[bx, h] = acc
+                else:
+                    cute.arch.atomic_add((d_sink.iterator + h).llvm_ptr, acc)
+
+    @cute.jit
+    def row(self, out: cute.Tensor, dout: cute.Tensor, lse: cute.Tensor, delta: cute.Tensor,
+            lse_sink: cute.Tensor, sink: Float32, t: Int32, h: Int32, lane: Int32) -> Float32:
+        """Write ``delta`` and ``lse_sink`` of ``(t, h)``; return ``p_sink * delta``."""
+        o_row = out[t, h, None]
+        g_row = dout[t, h, None]
+        dot = Float32(0.0)
+        for k in cutlass.range_constexpr(D_V // (32 * VEC)):
+            o_vec = cute.local_tile(o_row, (VEC,), (lane + 32 * k,)).load().to(Float32)
+            g_vec = cute.local_tile(g_row, (VEC,), (lane + 32 * k,)).load().to(Float32)
+            dot = dot + (o_vec * g_vec).reduce(cute.ReductionOp.ADD, Float32(0.0),
+                                              reduction_profile=0)
+        dot = cute.arch.warp_reduction_sum(dot)
+
+        row_lse = lse[t, h]
+        top = cutlass.max(row_lse, sink)
+        merged = top  # an infinite max is already logaddexp; never shift by it
+        if self._finite(top):
+            merged = top + cute.math.log(cute.math.exp(row_lse - top)
+                                         + cute.math.exp(sink - top))
+        p_sink = Float32(0.0)
+        if sink == Float32(_INF):
+            p_sink = Float32(1.0)
+        elif self._finite(sink) & self._finite(merged):
+            p_sink = cute.math.exp(sink - merged)
+        if lane == 0:
+            delta[t, h] = dot
+            lse_sink[t, h] = merged
+        return p_sink * dot
 
 
-def fake_arguments() -> dict[str, object]:
-    """Dynamic-shape stand-ins for every argument, in call order (``s_q``, ``H`` run-time)."""
+class SparseMlaBwdPreprocessDeterministic(SparseMlaBwdPreprocess):
+    """Deterministic mode: CTA ``c`` of ``d_sink_acc.shape[0]`` sums its row chunks in order and
+    stores its partial ``d_sink_acc[c, h]`` (no atomics); the postprocess folds them in order."""
+
+    def __init__(self, use_isfinite: bool) -> None:
+        super().__init__(use_isfinite)
+        self.deterministic = True
+
+    @cute.jit
+    def __call__(self, out: cute.Tensor, dout: cute.Tensor, lse: cute.Tensor,
+                 attn_sink: cute.Tensor, delta: cute.Tensor, lse_sink: cute.Tensor,
+                 d_sink_acc: cute.Tensor, stream: cuda.CUstream) -> None:
+        self.launch(out, dout, lse, attn_sink, delta, lse_sink, d_sink_acc, stream)
+
+
+def fake_arguments(deterministic: bool = False) -> dict[str, object]:
+    """Dynamic-shape stand-ins for every argument, in call order (``s_q``, ``H`` run-time;
+    deterministic: ``d_sink_acc`` [parts, H] with a run-time number of partial sums)."""
     s_q = cute.sym_int32(symbol="s_q")
     heads = cute.sym_int32(symbol="heads")
 
@@ -136,13 +178,17 @@ def fake_arguments() -> dict[str, object]:
         return cute.runtime.make_fake_tensor(BFloat16, (s_q, heads, D_V),
                                              (vec_stride(), vec_stride(), 1), assumed_align=16)
 
+    sink = {"d_sink_acc": cute.runtime.make_fake_tensor(
+        Float32, (cute.sym_int32(symbol="parts"), heads), (cute.sym_int64(), 1), assumed_align=4)
+    } if deterministic else {"d_sink": per_head()}
     return {"out": values(), "dout": values(), "lse": rows(Float32), "attn_sink": per_head(),
-            "delta": rows(Float32), "lse_sink": rows(Float32), "d_sink": per_head(),
+            "delta": rows(Float32), "lse_sink": rows(Float32), **sink,
             "stream": cuda.CUstream(0)}
 
 
 def compile_bwd_preprocess(arch: str, use_isfinite: bool | None = None,
-                           extra_options: str = "") -> tuple[object, dict[str, object]]:
+                           extra_options: str = "", deterministic: bool = False,
+                           ) -> tuple[object, dict[str, object]]:
     """``cute.compile`` the kernel for ``arch``; ``use_isfinite=None`` follows the probe.
 
     Returns the compiled function and the fake arguments it was compiled with. The process must
@@ -150,7 +196,8 @@ def compile_bwd_preprocess(arch: str, use_isfinite: bool | None = None,
     """
     if use_isfinite is None:
         use_isfinite = probe_cute_isfinite()
-    fakes = fake_arguments()
-    compiled = cute.compile(SparseMlaBwdPreprocess(use_isfinite), *fakes.values(),
+    fakes = fake_arguments(deterministic)
+    cls = SparseMlaBwdPreprocessDeterministic if deterministic else SparseMlaBwdPreprocess
+    compiled = cute.compile(cls(use_isfinite), *fakes.values(),
                             options=f"--gpu-arch {arch} {extra_options}".strip())
     return compiled, fakes

@@ -26,6 +26,7 @@ class MatrixBlock(BaseModel):
     tile: TileConfig = TileConfig()
     topk: list[int] | None = Field(None, description="top-k buckets, for backends whose kernels are "
                                    "specialised on the width (None: the width is a run-time value)")
+    deterministic: bool = Field(False, description="the deterministic backward variants (-det ids)")
 
 
 DEFAULT_RANKING: dict[str, list[str]] = {"fwd": ["tilelang"], "bwd": ["tilelang"]}
@@ -54,7 +55,8 @@ class Catalog(BaseModel):
                 if not backend.implements(op) or (implemented is not None and (name, op) not in implemented):
                     continue
                 spec = KernelSpec(op=op, arch=arch, d_qk=d, heads=h, layout=layout,
-                                  backend=name, tile=block.tile, topk=topk)
+                                  backend=name, tile=block.tile, topk=topk,
+                                  deterministic=block.deterministic)
                 backend.check_spec(spec)
                 seen.setdefault(spec.id, spec)
         return list(seen.values())

@@ -72,6 +72,8 @@ class KernelSpec(BaseModel):
     topk: int | None = Field(None, gt=0, le=1 << 16,
                              description="the top-k width a backend's kernel is specialised on (its "
                              "bucket: calls pad to it); None for kernels taking any width at run time")
+    deterministic: bool = Field(False, description="bwd: every gradient bit-identical across calls "
+                                "and processes for the same inputs (no order-dependent atomics)")
 
     @model_validator(mode="after")
     def _check_supported(self) -> KernelSpec:
@@ -81,18 +83,23 @@ class KernelSpec(BaseModel):
             raise ValueError(f"d_v={self.d_v} is not supported; MLA kernels use d_v={D_V}")
         if self.heads not in SUPPORTED_HEADS:
             raise ValueError(f"heads={self.heads} is not supported; use one of {SUPPORTED_HEADS}")
+        if self.deterministic and self.op != "bwd":
+            raise ValueError("deterministic=True applies to op='bwd' only (the forward has no "
+                             "order-dependent sums)")
         return self
 
     @property
     def id(self) -> str:
         """Stable readable id, e.g. ``bwd-sm_90a-d576-h64-compact-tilelang``.
 
-        A top-k bucket appends ``-k<topk>``; a non-default tile config a short hash of it, so
-        tuned variants never collide.
+        A top-k bucket appends ``-k<topk>``, the deterministic variant ``-det``, a non-default
+        tile config a short hash of it, so tuned variants never collide.
         """
         base = f"{self.op}-{self.arch}-d{self.d_qk}-h{self.heads}-{self.layout}-{self.backend}"
         if self.topk is not None:
             base += f"-k{self.topk}"
+        if self.deterministic:
+            base += "-det"
         tile = self.tile.model_dump(exclude_none=True)
         if not tile:
             return base
@@ -106,14 +113,18 @@ class KernelSpec(BaseModel):
     @classmethod
     def from_id(cls, spec_id: str) -> KernelSpec:
         """Parse a default-tile id such as ``fwd-sm_90a-d576-h64-noncompact-tilelang`` (or
-        ``bwd-sm_90a-d576-h64-noncompact-cudnn-k2048`` with a top-k bucket)."""
+        ``bwd-sm_90a-d576-h64-noncompact-cudnn-k2048`` with a top-k bucket, ``...-det`` for the
+        deterministic variant)."""
         parts = spec_id.split("-")
+        deterministic = len(parts) > 6 and parts[-1] == "det"
+        if deterministic:
+            parts.pop()
         topk = None
         if len(parts) == 7 and parts[6][:1] == "k" and parts[6][1:].isdigit():
             topk = int(parts.pop()[1:])
         if len(parts) != 6 or not parts[2].startswith("d") or not parts[3].startswith("h"):
             raise ValueError(f"{spec_id!r} is not a spec id; expected "
-                             "<op>-<arch>-d<d_qk>-h<heads>-<layout>-<backend>[-k<topk>]")
+                             "<op>-<arch>-d<d_qk>-h<heads>-<layout>-<backend>[-k<topk>][-det]")
         op, arch, d, h, layout, backend = parts
         return cls(op=op, arch=arch, d_qk=int(d[1:]), heads=int(h[1:]), layout=layout, backend=backend,
-                   topk=topk)
+                   topk=topk, deterministic=deterministic)

@@ -30,10 +30,11 @@ if TYPE_CHECKING:
 STAGE_PARAMS: dict[str, frozenset[str]] = {
     "fwd": frozenset({"q", "kv", "topk_idxs", "topk_length", "attn_sink", "out", "lse",
                       "softmax_scale", "s_q", "s_kv", "topk"}),
-    "bwd_preprocess": frozenset({"out", "dout", "lse", "attn_sink", "delta", "lse_sink", "d_sink", "s_q"}),
+    "bwd_preprocess": frozenset({"out", "dout", "lse", "attn_sink", "delta", "lse_sink", "d_sink",
+                                 "d_sink_acc", "s_q"}),
     "bwd_main": frozenset({"q", "kv", "dout", "topk_idxs", "topk_length", "lse_sink", "delta", "dq",
                            "dkv_acc", "softmax_scale", "s_q", "s_kv", "topk"}),
-    "bwd_postprocess": frozenset({"dkv_acc", "dkv", "s_kv"}),
+    "bwd_postprocess": frozenset({"dkv_acc", "dkv", "d_sink_acc", "d_sink", "s_kv"}),
 }
 
 
@@ -100,6 +101,9 @@ class KernelBackend(ABC):
     #: Ops whose kernels are specialised on the top-k width: their specs name a bucket
     #: (``KernelSpec.topk``) and calls are padded to it; the other ops take any width.
     topk_ops: ClassVar[frozenset[str]] = frozenset()
+    #: Archs whose backward this backend also builds as a deterministic variant
+    #: (``KernelSpec.deterministic``).
+    deterministic_archs: ClassVar[frozenset[str]] = frozenset()
 
     def implements(self, op: str) -> bool:
         return op in self.stages
@@ -117,6 +121,10 @@ class KernelBackend(ABC):
             raise ValueError(f"{spec.id}: the {self.name} {spec.op} kernel " + (
                 "is specialised on the top-k width; name its bucket (topk)" if spec.topk is None else
                 f"takes any top-k width at run time; topk={spec.topk} cannot be honoured (leave it unset)"))
+        if spec.deterministic and spec.arch not in self.deterministic_archs:
+            raise ValueError(f"{spec.id}: backend {self.name} has no deterministic {spec.op} kernel for "
+                             f"{spec.arch}" + (f" (it has for {', '.join(sorted(self.deterministic_archs))})"
+                                               if self.deterministic_archs else ""))
 
     def missing_compiler(self) -> str | None:
         """Why this process cannot compile for this backend (None: it can)."""

@@ -34,6 +34,7 @@ class CuteDslBackend(KernelBackend):
     compiler_module = "cutlass"
     #: Link mode of every stage: self-contained libraries (see :mod:`.build`).
     link = "static_cudart"
+    deterministic_archs = frozenset({"sm_90a"})
 
     def check_spec(self, spec: KernelSpec) -> None:
         from dsa_aot.backends.cutedsl.build import requests_for

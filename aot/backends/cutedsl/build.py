@@ -73,10 +73,18 @@ class BuildRequest(BaseModel):
     layout: FwdLayout | None = None
     kv_stages: Literal[1, 2] | None = None
     impl: FwdImpl | None = None
+    deterministic: bool = Field(False, description="backward stages: the deterministic variant "
+                                "(per-CTA shards and partial sums folded in a fixed order)")
 
     @model_validator(mode="after")
     def _fwd_params(self) -> "BuildRequest":
         fwd = (self.d_qk, self.heads, self.layout)
+        if self.deterministic and self.kernel == "fwd":
+            raise ValueError("deterministic applies to the backward stages only")
+        if self.deterministic and self.kernel == "bwd_main" and self.impl not in (None, "wgmma"):
+            raise ValueError(f"the deterministic bwd_main is the wgmma flavour, not {self.impl}")
+        if self.deterministic and self.arch != "sm_90a":
+            raise ValueError(f"the deterministic backward is built for sm_90a, not {self.arch}")
         if self.kernel == "fwd":
             if None in fwd:
                 raise ValueError("kernel=fwd needs d_qk, heads and layout, got "
@@ -117,12 +125,13 @@ class BuildRequest(BaseModel):
         if self.kernel == "fwd":
             params = dict(self.fwd_params or {})
             return params
+        det = {"deterministic": True} if self.deterministic else {}
         if self.kernel == "bwd_main":
             return {"d_qk": self.d_qk, "heads": self.heads, "layout": self.layout,
-                    "impl": self.impl or BWD_MAIN_DEFAULT_IMPL[self.arch]}
+                    "impl": self.impl or BWD_MAIN_DEFAULT_IMPL[self.arch], **det}
         if self.kernel == "bwd_preprocess":
-            return {"use_isfinite": self.use_isfinite}
-        return {}
+            return {"use_isfinite": self.use_isfinite, **det}
+        return det
 
 
 #: Kernel module and compile function of each CuTe DSL stage (``f(arch, **params)`` returns
@@ -160,9 +169,10 @@ def requests_for(spec: "KernelSpec", stages: tuple[str, ...], *, link: LinkMode 
         raise ValueError(f"{spec.id}: tile.num_stages={tile.num_stages} is not supported by the "
                          f"cutedsl {main} stage" + (" (use 1 or 2)" if main == "fwd" else " (leave it unset)"))
     requests = []
+    det = {"deterministic": True} if spec.deterministic else {}
     for stage in stages:
         if stage == main:
-            extra = {"kv_stages": tile.num_stages} if main == "fwd" else {}
+            extra = {"kv_stages": tile.num_stages} if main == "fwd" else det
             try:
                 requests.append(BuildRequest(kernel=stage, arch=spec.arch, link=link, d_qk=spec.d_qk,
                                              heads=spec.heads, layout=spec.layout, impl=tile.flavour,
@@ -174,9 +184,10 @@ def requests_for(spec: "KernelSpec", stages: tuple[str, ...], *, link: LinkMode 
                 raise ValueError(f"{spec.id}: {fields} cannot be honoured by the cutedsl {main} stage "
                                  f"({why})") from None
         elif stage == "bwd_preprocess":
-            requests.append(BuildRequest(kernel=stage, arch=spec.arch, link=link, use_isfinite=use_isfinite))
+            requests.append(BuildRequest(kernel=stage, arch=spec.arch, link=link, use_isfinite=use_isfinite,
+                                         **det))
         else:
-            requests.append(BuildRequest(kernel=stage, arch=spec.arch, link=link))
+            requests.append(BuildRequest(kernel=stage, arch=spec.arch, link=link, **det))
     return requests
 
 
@@ -339,6 +350,8 @@ def _default_name(kernel: str, arch: str, link: str, use_isfinite: bool | None,
             name += f"_{fwd['impl']}"
     if kernel == "bwd_preprocess":  # the worker fills in what its probe decides when None
         name += "_{isfinite}" if use_isfinite is None else "_isfinite" if use_isfinite else "_infcmp"
+    if (fwd or {}).get("deterministic"):
+        name += "_det"
     if link == "static_cudart":
         name += "_static"
     return name
@@ -448,6 +461,7 @@ def _finish(req: BuildRequest, job: dict[str, object], result: dict[str, object]
         kv_stages=req.fwd_params["kv_stages"] if req.kernel == "fwd" else None,
         impl=(req.fwd_params["impl"] if req.kernel == "fwd"
               else req.compile_params["impl"] if req.kernel == "bwd_main" else None),
+        deterministic=req.deterministic,
         dsl_version=str(reply["dsl_version"]),
         library_sha256=sha256_file(lib),
         build_seconds=round(float(result["compile_seconds"]) + float(result["export_seconds"])

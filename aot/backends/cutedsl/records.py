@@ -147,6 +147,8 @@ class CuteExportRecord(BaseModel):
     kv_stages: int | None = Field(None, description="fwd: gathered KV tiles in flight (1 or 2)")
     impl: FwdImpl | None = Field(None, description="fwd: mma.sync (any arch), wgmma, "
                                  "wgmma_pipe or wgmma_ws (sm_90a)")
+    deterministic: bool = Field(False, description="backward: the deterministic variant (dkv_acc "
+                                "[shards, s_kv, D], d_sink_acc [parts, H], folded in order)")
     dsl_version: str
     library_sha256: str
     build_seconds: float = Field(description="compile + export in the worker, then link")

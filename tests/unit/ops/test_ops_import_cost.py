@@ -17,10 +17,10 @@ import textwrap
 COMPILERS = ("tilelang", "tvm", "tvm_ffi", "cutlass")
 SCHEMAS = {
     "sparse_mla_fwd": "dsa_aot::sparse_mla_fwd(Tensor q, Tensor kv, Tensor topk_idxs, Tensor? topk_length, "
-                      "Tensor? attn_sink, float? softmax_scale) -> (Tensor, Tensor)",
+                      "Tensor? attn_sink, float? softmax_scale, bool deterministic=False) -> (Tensor, Tensor)",
     "sparse_mla_bwd": "dsa_aot::sparse_mla_bwd(Tensor q, Tensor kv, Tensor out, Tensor dout, Tensor lse, "
-                      "Tensor topk_idxs, Tensor? topk_length, Tensor? attn_sink, float? softmax_scale) "
-                      "-> (Tensor, Tensor, Tensor)",
+                      "Tensor topk_idxs, Tensor? topk_length, Tensor? attn_sink, float? softmax_scale, "
+                      "bool deterministic=False) -> (Tensor, Tensor, Tensor)",
 }
 
 

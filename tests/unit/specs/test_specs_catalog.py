@@ -34,9 +34,14 @@ def test_unsupported_spec_is_rejected_with_the_value(field, value, fragment):
 
 
 def test_default_catalog_is_the_full_matrix():
-    specs = [s for s in load_catalog().specs() if s.backend != "cudnn"]  # cudnn: tests/unit/backends/cudnn
+    every = [s for s in load_catalog().specs() if s.backend != "cudnn"]  # cudnn: tests/unit/backends/cudnn
+    specs = [s for s in every if not s.deterministic]
     per_op = 2 * 2 * 4 * 2  # arch x d_qk x heads x layout
     assert len(specs) == per_op * 4  # fwd and bwd, each tilelang and cutedsl
+    deterministic = [s for s in every if s.deterministic]  # the cutedsl bwd of sm_90a, -det ids
+    assert len(deterministic) == per_op // 2 and len({s.id for s in deterministic}) == per_op // 2
+    assert {(s.op, s.arch, s.backend) for s in deterministic} == {("bwd", "sm_90a", "cutedsl")}
+    assert all(s.id.endswith("-det") and KernelSpec.from_id(s.id) == s for s in deterministic)
     assert len({s.id for s in specs}) == len(specs)
     assert {s.arch for s in specs} == {"sm_90a", "sm_100a"}
     by_backend = {(op, b): sum(s.op == op and s.backend == b for s in specs)

@@ -1,0 +1,160 @@
+"""The deterministic backward on a GPU: the same bits on every call and in every process for
+the same inputs, and the same accuracy against the torch reference as the fast mode.
+
+Run on the H200 with the prebuilt cache (its -det specs): DSA_AOT_PREBUILT_DIR=... pytest -m gpu
+tests/gpu/test_deterministic_gpu.py
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dsa_aot
+from dsa_aot import settings
+from dsa_aot.kernels.reference import sparse_mla_bwd_ref
+
+from test_sparse_mla_gpu import inputs, poison, rel
+
+pytestmark = pytest.mark.gpu
+
+VARIANTS = list(itertools.product((512, 576), (16, 32, 64, 128), ("compact", "noncompact")))
+
+
+def det_bwd(q, kv, out, dout, lse, idx, length, sink):
+    poison((tuple(q.shape), torch.bfloat16), (tuple(kv.shape), torch.bfloat16))
+    return dsa_aot.sparse_mla_bwd(q, kv, out, dout, lse, idx, topk_length=length, attn_sink=sink,
+                                  deterministic=True)
+
+
+def forward(q, kv, idx, length, sink):
+    return dsa_aot.sparse_mla_fwd(q, kv, idx, topk_length=length, attn_sink=sink)
+
+
+def check_against_reference(grads, q, kv, out, dout, lse, idx, length, sink) -> None:
+    dq, dkv, d_sink = grads
+    rq, rkv, rsink = sparse_mla_bwd_ref(q, kv, out, dout, lse, idx, length, sink, compute_dtype=torch.float32)
+    assert rel(dq, rq) <= 1e-2
+    assert rel(dkv, rkv) <= 1e-2
+    if sink is not None:
+        assert rel(d_sink, rsink) <= 1e-2
+
+
+def digest(*tensors: torch.Tensor | None) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        if t is not None:
+            h.update(t.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def assert_repeats(n, call) -> tuple[torch.Tensor, ...]:
+    first = call()
+    torch.cuda.synchronize()
+    for _ in range(n - 1):
+        again = call()
+        torch.cuda.synchronize()
+        for a, b in zip(first, again):
+            if a is not None:
+                assert torch.equal(a, b), "a deterministic gradient changed between two identical calls"
+    return first
+
+
+@pytest.mark.parametrize("d,h,layout", VARIANTS, ids=[f"d{d}-h{h}-{l}" for d, h, l in VARIANTS])
+def test_every_variant_matches_the_reference_and_repeats(d, h, layout):
+    for i, (s_q, s_kv, k) in enumerate([(1, 95, 128), (62, 4096, 2048), (300, 1000, 300)]):
+        q, kv, idx, length, sink, dout = inputs(s_q, s_kv, h, d, k, layout=layout, seed=i, sink=i != 1)
+        out, lse = forward(q, kv, idx, length, sink)
+        grads = assert_repeats(2, lambda: det_bwd(q, kv, out, dout, lse, idx, length, sink))
+        check_against_reference(grads, q, kv, out, dout, lse, idx, length, sink)
+
+
+@pytest.mark.parametrize("h,layout", [(64, "noncompact"), (128, "compact"), (16, "noncompact")])
+def test_bit_identical_over_twenty_calls(h, layout):
+    q, kv, idx, length, sink, dout = inputs(1024, 4096, h, 576, 2048, layout=layout, seed=7)
+    out, lse = forward(q, kv, idx, length, sink)
+    grads = assert_repeats(20, lambda: det_bwd(q, kv, out, dout, lse, idx, length, sink))
+    check_against_reference(grads, q, kv, out, dout, lse, idx, length, sink)
+
+
+@pytest.mark.parametrize("pattern", ["few_rows", "one_row_per_query", "runs"])
+def test_heavily_repeated_indices(pattern):
+    """Duplicates inside a block of 64 slots (up to 64 of one row), across blocks and across
+    queries: each duplicate adds, in slot order, every call."""
+    s_q, s_kv, h, d, k = 256, 512, 64, 576, 300
+    q, kv, idx, length, sink, dout = inputs(s_q, s_kv, h, d, k, seed=3)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    if pattern == "few_rows":
+        idx = torch.randint(0, 8, (s_q, k), generator=g, device="cuda", dtype=torch.int32)
+    elif pattern == "one_row_per_query":
+        idx = torch.randint(0, s_kv, (s_q, 1), generator=g, device="cuda", dtype=torch.int32).expand(s_q, k)
+    else:
+        idx = (torch.arange(k, device="cuda", dtype=torch.int32) // 37).expand(s_q, k) + \
+            torch.randint(0, 4, (s_q, 1), generator=g, device="cuda", dtype=torch.int32)
+    idx = idx.contiguous()
+    idx[:, ::17] = -1  # padding between the duplicates
+    out, lse = forward(q, kv, idx, None, sink)
+    grads = assert_repeats(20, lambda: det_bwd(q, kv, out, dout, lse, idx, None, sink))
+    check_against_reference(grads, q, kv, out, dout, lse, idx, None, sink)
+
+
+CHILD = """
+import hashlib, json, sys, torch
+sys.path.insert(0, {here!r})
+import dsa_aot
+from test_sparse_mla_gpu import inputs
+from test_deterministic_gpu import digest
+q, kv, idx, length, sink, dout = inputs(777, 3000, 64, 576, 1000, layout="compact", seed=5)
+out, lse = dsa_aot.sparse_mla_fwd(q, kv, idx, topk_length=length, attn_sink=sink)
+dq, dkv, ds = dsa_aot.sparse_mla_bwd(q, kv, out, dout, lse, idx, topk_length=length, attn_sink=sink)
+print(json.dumps({{"grads": digest(dq, dkv, ds), "fwd": digest(out, lse)}}))
+"""
+
+
+def test_same_bits_in_other_processes():
+    """Two fresh processes (deterministic through DSA_AOT_DETERMINISTIC=1) and this one agree."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, DSA_AOT_DETERMINISTIC="1")
+    digests = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", CHILD.format(here=here)], env=env, capture_output=True,
+                              text=True, timeout=600, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        digests.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    q, kv, idx, length, sink, dout = inputs(777, 3000, 64, 576, 1000, layout="compact", seed=5)
+    out, lse = forward(q, kv, idx, length, sink)
+    mine = digest(*det_bwd(q, kv, out, dout, lse, idx, length, sink))
+    assert digests[0] == digests[1]
+    assert digests[0]["fwd"] == digest(out, lse)  # the same inputs reached the backward
+    assert digests[0]["grads"] == mine
+
+
+def test_autograd_and_the_setting_select_the_deterministic_kernel():
+    q, kv, idx, length, sink, dout = inputs(128, 2048, 128, 512, 1024, seed=9)
+    out, lse = forward(q, kv, idx, length, sink)
+    want = det_bwd(q, kv, out, dout, lse, idx, length, sink)
+    with settings.scope(deterministic=True):
+        assert all(torch.equal(a, b) for a, b in zip(want, dsa_aot.sparse_mla_bwd(
+            q, kv, out, dout, lse, idx, topk_length=length, attn_sink=sink)))
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, kv, sink)]
+    o, _ = dsa_aot.sparse_mla(leaves[0], leaves[1], idx, attn_sink=leaves[2], deterministic=True)
+    o.backward(dout)
+    for leaf, w in zip(leaves, want):
+        assert torch.equal(leaf.grad, w)
+
+
+def test_a_capped_workspace_uses_fewer_shards_and_stays_exact():
+    """DSA_AOT_DETERMINISTIC_WORKSPACE below the SM count's shards: fewer CTAs, still the
+    reference's result and still the same bits call after call."""
+    q, kv, idx, length, sink, dout = inputs(512, 8192, 64, 576, 2048, seed=4)
+    out, lse = forward(q, kv, idx, length, sink)
+    with settings.scope(deterministic_workspace_bytes=8192 * 576 * 4 * 5):  # 5 shards
+        grads = assert_repeats(5, lambda: det_bwd(q, kv, out, dout, lse, idx, length, sink))
+    check_against_reference(grads, q, kv, out, dout, lse, idx, length, sink)
