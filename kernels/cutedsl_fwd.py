@@ -91,6 +91,49 @@ WS_SOFTMAX_REGS, WS_PRODUCER_REGS = 240, 80
 WS_EPILOGUE_BARRIER = 1
 
 
+@cute.jit
+def load_q_tile(m_q: cute.Tensor, s_q: cute.Tensor, q_copy: cute.TiledCopy, t: Int32, hb: Int32,
+                tidx: Int32, d_qk: cutlass.Constexpr, heads: cutlass.Constexpr) -> None:
+    """Copy the CTA's 64 x ``d_qk`` block of Q into shared memory with the 256 threads of
+    ``q_copy`` (head rows past ``heads`` zero-filled) and make it visible to wgmma."""
+    thr_q = q_copy.get_slice(tidx)
+    q_row = tidx // (64 // VEC)
+    t_g_q = thr_q.partition_S(cute.local_tile(m_q[t, None, None], (BLOCK_H, d_qk), (hb, 0)))
+    t_s_q = thr_q.partition_D(s_q)
+    for m in cutlass.range_constexpr(cute.size(t_s_q, mode=[1])):
+        row = q_row + m * (THREADS // (64 // VEC))
+        if cutlass.const_expr(heads >= BLOCK_H):
+            cute.copy(q_copy, t_g_q[None, m, None], t_s_q[None, m, None])
+        else:
+            if row < heads:
+                cute.copy(q_copy, t_g_q[None, m, None], t_s_q[None, m, None])
+            else:
+                t_s_q[None, m, None].fill(0)
+    cute.arch.cp_async_commit_group()
+    cute.arch.cp_async_wait_group(0)
+    cute.arch.fence_view_async_shared()  # Q -> wgmma reads
+
+
+@cute.jit
+def row_lse_and_factor(row_max: Float32, total: Float32, head: Int32, heads: cutlass.Constexpr,
+                       m_sink: cute.Tensor) -> tuple[Float32, Float32]:
+    """A head row's ``lse`` (natural log, sink excluded; +inf without a valid slot) and the factor
+    its output is scaled by: ``w / total`` with the sink weight ``w = 1 / (1 + exp(sink - lse))``
+    (0 for sink=+inf, 1 for sink=-inf, never NaN), 0 for an empty row. ``row_max`` is in base-2
+    units; ``total`` is the row's sum of ``exp2(s - row_max)``."""
+    lse_val = Float32(_INF)
+    factor = Float32(0.0)
+    if total > Float32(0.0):
+        lse_val = (row_max + cute.math.log2(total, fastmath=False)) * Float32(LN2)
+        sink = Float32(-_INF)
+        if head < heads:
+            sink = m_sink[head]
+        weight = Float32(1.0) / (Float32(1.0) + cute.math.exp2((sink - lse_val) * Float32(LOG2E),
+                                                               fastmath=False))
+        factor = weight / total
+    return lse_val, factor
+
+
 class SparseMlaFwd:
     """The forward kernel for one ``(d_qk, heads, layout)``.
 
@@ -1173,8 +1216,16 @@ def compile_fwd(arch: str, d_qk: int, heads: int, layout: str, kv_stages: int | 
     if impl != "mma" and arch != "sm_90a":
         raise ValueError(f"impl={impl!r} needs sm_90a, not {arch}; use impl='mma'")
     fakes = fake_arguments(d_qk, heads, layout)
-    cls = SparseMlaFwdCompact if layout == "compact" else SparseMlaFwdNoncompact
-    compiled = cute.compile(cls(d_qk, heads, layout, kv_stages, impl), *fakes.values(),
+    if impl == "wgmma_split":  # its own kernel class (two KV buffers, fixed)
+        from dsa_aot.kernels.cutedsl_fwd_split import entry_class
+
+        if kv_stages != 2:
+            raise ValueError(f"impl={impl!r} needs kv_stages=2")
+        kernel = entry_class(layout)(d_qk, heads, layout)
+    else:
+        cls = SparseMlaFwdCompact if layout == "compact" else SparseMlaFwdNoncompact
+        kernel = cls(d_qk, heads, layout, kv_stages, impl)
+    compiled = cute.compile(kernel, *fakes.values(),
                             options=f"--gpu-arch {arch} {extra_options}".strip())
     return compiled, fakes
 
