@@ -338,6 +338,10 @@ class SparseMlaFwdSplit:
             else:
                 cute.arch.barrier_arrive(barrier_id=BAR_MAX1, number_of_threads=THREADS)
             r_pb.store(acc_s.load().to(BFloat16))
+            if cutlass.const_expr(w == 1):  # P is final: hand it over before it is in flight
+                cute.copy(store_p, thr_store_p.retile(r_pb), t_s_p)
+                cute.arch.fence_view_async_shared()  # P stores -> the peer's wgmma reads
+                cute.arch.barrier_arrive(barrier_id=BAR_P1, number_of_threads=THREADS)
             # O += P V with this warpgroup's P from registers
             warpgroup.fence()
             for kk in cutlass.range_constexpr(BLOCK_N // 16):
@@ -378,11 +382,8 @@ class SparseMlaFwdSplit:
                     warpgroup.wait_group(0)
                     cute.arch.mbarrier_arrive(free + 2)
             else:
-                cute.copy(store_p, thr_store_p.retile(r_pb), t_s_p)
                 cute.arch.barrier(barrier_id=BAR_P0, number_of_threads=THREADS)
                 self.issue_pv_peer(0, acc_o, r_p_peer, r_v, mma_pv)
-                cute.arch.fence_view_async_shared()  # P stores -> the peer's wgmma reads
-                cute.arch.barrier_arrive(barrier_id=BAR_P1, number_of_threads=THREADS)
                 warpgroup.wait_group(1)
                 cute.arch.mbarrier_arrive(free + 3)  # 1R: read by this warpgroup's P V last
                 warpgroup.wait_group(0)
@@ -442,12 +443,16 @@ class SparseMlaFwdSplit:
                        c_s_mn: cute.Tensor, s_valid: cute.Tensor, scale_log2: Float32) -> list:
         """Scale the scores into base-2 units, set invalid slots to -inf (before any exp) and
         return each row's max over the block."""
+        rows = cute.size(acc_s_mn, mode=[0])
+        cols = cute.size(acc_s_mn, mode=[1])
+        # every row of this thread has the same columns: one flag load per column
+        valid = [s_valid[buf * BLOCK_N + c_s_mn[0, j][1]] for j in range(cols)]
         out = []
-        for r in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
+        for r in cutlass.range_constexpr(rows):
             part = Float32(-_INF)
-            for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
+            for j in cutlass.range_constexpr(cols):
                 val = acc_s_mn[r, j] * scale_log2
-                if s_valid[buf * BLOCK_N + c_s_mn[r, j][1]] == 0:
+                if valid[j] == 0:
                     val = Float32(-_INF)
                 acc_s_mn[r, j] = val
                 part = cute.arch.fmax(part, val)
