@@ -41,14 +41,15 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import hopper_helpers as sm90_utils
 
 from dsa_aot.kernels.cutedsl_common import (D_V, VEC, quad_max, quad_sum, wg_acc_as_a,
                                             wg_rows_cols)
 from dsa_aot.kernels.cutedsl_fwd import (BLOCK_H, BLOCK_N, LOG2E, M_FLOOR, THREADS, WG_THREADS,
                                          WS_ROWS_PER_PASS, check_params, load_q_tile,
-                                         row_lse_and_factor)
+                                         producer_idx, row_lse_and_factor, store_out_half,
+                                         ws_copies, ws_smem_layouts)
 
 #: 384 threads: two consumer warpgroups and the producer.
 SPLIT_THREADS = 3 * WG_THREADS
@@ -82,19 +83,8 @@ class SparseMlaFwdSplit:
                topk_length: cute.Tensor, attn_sink: cute.Tensor, out: cute.Tensor,
                lse: cute.Tensor, softmax_scale: Float32, stream: cuda.CUstream) -> None:
         d = self.d_qk
-        k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
-        mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128,
-                                                  BFloat16)
-        s_q_layout = cute.tile_to_shape(k_atom, (BLOCK_H, d), (0, 1))
-        s_kv_layout = cute.tile_to_shape(k_atom, (BLOCK_N, d, 2), (0, 1, 2))
-        # V^T of one half of the value columns, (256, 64 KV rows), in both buffers; the right
-        # half starts 256 * 64 elements later (whole 64-column tiles)
-        v_tile = cute.tile_to_shape(mn_atom, (HALF, BLOCK_N), (1, 0))
-        s_v_layout = cute.make_composed_layout(
-            v_tile.inner, 0, cute.make_layout(
-                (v_tile.outer.shape[0], v_tile.outer.shape[1], 2),
-                stride=(v_tile.outer.stride[0], v_tile.outer.stride[1], BLOCK_N * d)))
-        s_p_layout = cute.tile_to_shape(k_atom, (BLOCK_H, BLOCK_N), (0, 1))
+        # Q, the two KV buffers, V^T of one half of the value columns in both, a P tile
+        s_q_layout, s_kv_layout, s_v_layout, s_p_layout = ws_smem_layouts(d, BLOCK_N, 2)
         # P of warpgroup 1, and of warpgroup 0 unless it fits in buffer 0's RoPE columns
         p_tiles = 1 if d > D_V else 2
 
@@ -112,16 +102,7 @@ class SparseMlaFwdSplit:
             # ready[buffer][half], free[buffer][half]
             mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 8], 8]
 
-        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                  BFloat16, num_bits_per_copy=128)
-        cols = TILE // VEC
-        # Q: the 256 consumer threads; KV: the 128 producer threads (16 rows per pass)
-        q_copy = cute.make_tiled_copy_tv(
-            g2s, cute.make_layout((THREADS // cols, cols), stride=(cols, 1)),
-            cute.make_layout((1, VEC)))
-        kv_copy = cute.make_tiled_copy_tv(
-            g2s, cute.make_layout((WG_THREADS // cols, cols), stride=(cols, 1)),
-            cute.make_layout((1, VEC)))
+        q_copy, kv_copy = ws_copies()  # Q: the consumer threads; KV: the producer's
         mma_s = sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
             Float32, (1, 1, 1), (BLOCK_H, BLOCK_N))
@@ -171,8 +152,9 @@ class SparseMlaFwdSplit:
         s_q = storage.s_q.get_tensor(s_q_layout.outer, swizzle=s_q_layout.inner)
         s_kv_all = storage.s_kv.get_tensor(s_kv_layout.outer, swizzle=s_kv_layout.inner)
         s_p1 = storage.s_p.get_tensor(s_p_layout.outer, swizzle=s_p_layout.inner)
-        s_p0 = cute.make_tensor(s_kv_all.iterator + D_V * BLOCK_N, s_p_layout.outer)
-        if cutlass.const_expr(d == D_V):
+        if cutlass.const_expr(d > D_V):  # buffer 0's RoPE columns: free once its S is done
+            s_p0 = cute.make_tensor(s_kv_all.iterator + D_V * BLOCK_N, s_p_layout.outer)
+        else:
             s_p0 = cute.make_tensor(s_p1.iterator + cute.cosize(s_p_layout.outer),
                                     s_p_layout.outer)
         s_max = storage.s_max.get_tensor(cute.make_layout(BLOCK_H))
@@ -222,8 +204,8 @@ class SparseMlaFwdSplit:
         t_s_kv = thr_kv.partition_D(s_kv_all)  # (CPY, 4, T, 2)
         row_stride = m_kv.stride[0]
         for k in cutlass.range(n_pairs, unroll=1):
-            idx0 = self.load_idx(2 * k, t, m_idx, n_valid, p_row)
-            idx1 = self.load_idx(2 * k + 1, t, m_idx, n_valid, p_row)
+            idx0 = producer_idx(2 * k, t, m_idx, n_valid, p_row, BLOCK_N)
+            idx1 = producer_idx(2 * k + 1, t, m_idx, n_valid, p_row, BLOCK_N)
             phase = (k % 2) ^ 1
             for buf, half in ((0, 0), (1, 1), (0, 1), (1, 0)):
                 idx = idx0 if buf == 0 else idx1
@@ -249,19 +231,6 @@ class SparseMlaFwdSplit:
                 cute.arch.mbarrier_arrive(ready + 2 * buf + half)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
-
-    @cute.jit
-    def load_idx(self, block: Int32, t: Int32, m_idx: cute.Tensor, n_valid: Int32,
-                 p_row: Int32) -> list:
-        """The producer thread's KV indices of block ``block``, one per pass (-1 past the end)."""
-        out = []
-        for m in cutlass.range_constexpr(BLOCK_N // WS_ROWS_PER_PASS):
-            slot = block * BLOCK_N + p_row + m * WS_ROWS_PER_PASS
-            idx = Int32(-1)
-            if slot < n_valid:
-                idx = m_idx[t, slot]
-            out.append(idx)
-        return out
 
     # ---- consumers ---------------------------------------------------------------------------
 
@@ -404,16 +373,7 @@ class SparseMlaFwdSplit:
             if cutlass.const_expr(w == 0):
                 if (lane % 4 == 0) & (head < heads):
                     m_lse[t, head] = lse_val
-        g_out = cute.local_tile(m_out[t, None, None], (BLOCK_H, HALF), (hb, w))
-        t_g = thr_pv.partition_C(g_out)
-        r_o = cute.make_fragment_like(acc_o, BFloat16)
-        r_o.store(acc_o.load().to(BFloat16))
-        for i in cutlass.range_constexpr(cute.size(r_o)):
-            if cutlass.const_expr(heads >= BLOCK_H):
-                t_g[i] = r_o[i]
-            else:
-                if c_o[i][0] < heads:
-                    t_g[i] = r_o[i]
+        store_out_half(acc_o, c_o, thr_pv, m_out, t, hb, w, heads)
 
     @cute.jit
     def issue_qk(self, buf: cutlass.Constexpr, half: cutlass.Constexpr, acc_s: cute.Tensor,
@@ -502,7 +462,7 @@ class SparseMlaFwdSplitNoncompact(SparseMlaFwdSplit):
 
 
 def entry_class(layout: str) -> type:
-    """The ``wgmma_split`` entry point of ``layout`` (constructed with ``(d_qk, heads, layout)``)."""
+    """The ``wgmma_split`` entry point of ``layout``, built with ``(d_qk, heads, layout)``."""
     return SparseMlaFwdSplitCompact if layout == "compact" else SparseMlaFwdSplitNoncompact
 
 
