@@ -11,7 +11,9 @@ Warpgroups and shared memory:
   128-byte swizzled, copied by 16-byte ``cp.async`` (an invalid slot, or one past the row's
   blocks, is zero-filled and flagged invalid). Each buffer is two halves with their own
   ``ready`` / ``free`` mbarriers: ``L`` = columns 0-255, ``R`` = columns 256-D_qk. The halves are
-  filled in the order the consumers free them: 0L, 1R, 0R, 1L;
+  filled in the order the consumers free them: 0L, 1R, 0R, 1L. It starts right after the
+  mbarriers are initialised, while the consumers load Q (16-byte ``cp.async``, then a named
+  barrier of the 256 consumer threads);
 * warpgroups 0 and 1 (``setmaxnreg`` 216) alternate the blocks: warpgroup ``w`` computes the
   whole 64 x 64 score tile ``S = Q K^T`` of buffer ``w`` (its own half first, so it starts
   before the other half lands), masks invalid slots to -inf, and runs the online softmax of
@@ -26,7 +28,15 @@ Warpgroups and shared memory:
   has its own 64 x 64 tile; ``P`` of warpgroup 0 lives in the RoPE columns (512-575) of
   buffer 0 once its scores are done (D_qk 576; a second tile at D_qk 512);
 * a half buffer is freed as soon as its last reader is done: ``0L`` and ``1R`` after the
-  owner's own ``P V``, ``0R`` (with warpgroup 0's ``P``) and ``1L`` after the peer's ``P V``;
+  owner's own ``P V``, ``0R`` (with warpgroup 0's ``P``) and ``1L`` after the peer's ``P V``.
+  Per pair (named barriers in brackets, ``->`` arrive, ``<-`` wait):
+
+  - warpgroup 0: ``S`` of block 2k; softmax; ``-> MAX0``; ``O += P V0L``; free 0L;
+    ``<- MAX1``: rescale ``P``, ``O``, ``l`` to ``M``; ``P`` to shared; ``-> P0``; ``<- P1``;
+    ``O += P1 V1L``; first half of the next ``S``; free 1L; second half;
+  - warpgroup 1: ``S`` of block 2k + 1 (1R, then 1L); ``<- MAX0``; softmax with the pair's max;
+    ``-> MAX1``; ``P`` to shared; ``-> P1``; ``O += P V1R``; ``<- P0``; ``O += P0 V0R``; free 1R;
+    free 0R;
 * epilogue: the two row sums (each relative to the same final max) are added through shared
   memory; ``lse = ln 2 * (M + log2(l))`` (sink excluded), ``out = O / l * w`` with the sink
   weight ``w = 1 / (1 + exp(sink - lse))``; a row without a valid slot stores ``out = 0`` and
@@ -60,7 +70,7 @@ HALF = D_V // 2
 TILE = 64
 HALF_TILES = HALF // TILE
 #: Named barriers (0 is __syncthreads), each joining the two consumer warpgroups.
-BAR_MAX0, BAR_MAX1, BAR_P0, BAR_P1, BAR_SUM = 1, 2, 3, 4, 5
+BAR_MAX0, BAR_MAX1, BAR_P0, BAR_P1, BAR_SUM, BAR_Q = 1, 2, 3, 4, 5, 6
 
 _INF = float("inf")
 
@@ -169,9 +179,7 @@ class SparseMlaFwdSplit:
                 cute.arch.mbarrier_init(ready + i, 2 * WG_THREADS)
                 cute.arch.mbarrier_init(free + i, WG_THREADS)
         cute.arch.mbarrier_init_fence()
-        if tidx < THREADS:
-            load_q_tile(m_q, s_q, q_copy, t, hb, tidx, d, self.heads)
-        cute.arch.barrier()
+        cute.arch.barrier()  # the mbarriers are initialised; the producer need not wait for Q
 
         if wg == 2:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -179,6 +187,8 @@ class SparseMlaFwdSplit:
                          n_pairs, tidx % WG_THREADS)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            load_q_tile(m_q, s_q, q_copy, t, hb, tidx, d, self.heads)
+            cute.arch.barrier(barrier_id=BAR_Q, number_of_threads=THREADS)
             if wg == 0:
                 self.consume(0, m_sink, m_out, m_lse, scale_log2, s_q, s_kv_all, s_v_layout,
                              s_p0, s_p1, s_max, s_sum, s_valid, ready, free, mma_s, mma_pv,
