@@ -54,6 +54,18 @@ def wg_rows_cols(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, cute.composition(acc.layout, rows_cols))
 
 
+def wg_acc_as_a(acc: cute.Tensor) -> cute.Tensor:
+    """A 64 x N warpgroup MMA accumulator ``((2, 2, N / 8), 1, 1)`` (converted to 16 bits) as the
+    register A operand of a following warpgroup MMA: ``((2, 2, 2), 1, N / 16)``, the two 8-column
+    blocks of each 16-wide K step being the value pair's neighbours."""
+    div = cute.logical_divide(acc.layout, ((None, None, 2), None, None))
+    sh, st = div.shape, div.stride
+    layout = cute.make_layout(((sh[0][0], sh[0][1], sh[0][2][0]), sh[1], (sh[0][2][1], sh[2])),
+                              stride=((st[0][0], st[0][1], st[0][2][0]), st[1],
+                                      (st[0][2][1], st[2])))
+    return cute.make_tensor(acc.iterator, layout)
+
+
 def quad_max(val: Float32) -> Float32:
     """Max over the 4 lanes of a quad (the threads sharing an accumulator row)."""
     for offset in (2, 1):

@@ -40,6 +40,9 @@ half (256-511) from the same ``P``, handed over through shared memory with ``p_f
 ``p_free`` mbarriers. A buffer is returned to the producer (``empty``) once both halves' ``P V``
 have completed. No CTA-wide barrier inside the loop; a named barrier joins the two consumers for
 the epilogue.
+``wgmma_split`` (sm_90a, 384 threads) is its own kernel class in
+:mod:`dsa_aot.kernels.cutedsl_fwd_split`: the two consumer warpgroups alternate KV blocks for the
+scores and softmax and each owns half of ``O``; it shares this module's constants and helpers.
 
 This module imports ``cutlass``: use it in a build process only.
 """
@@ -89,6 +92,118 @@ WS_ROWS_PER_PASS = WG_THREADS // (64 // VEC)
 WS_SOFTMAX_REGS, WS_PRODUCER_REGS = 240, 80
 #: Named barrier joining the two consumer warpgroups before the epilogue (0 is __syncthreads).
 WS_EPILOGUE_BARRIER = 1
+
+
+@cute.jit
+def load_q_tile(m_q: cute.Tensor, s_q: cute.Tensor, q_copy: cute.TiledCopy, t: Int32, hb: Int32,
+                tidx: Int32, d_qk: cutlass.Constexpr, heads: cutlass.Constexpr) -> None:
+    """Copy the CTA's 64 x ``d_qk`` block of Q into shared memory with the 256 threads of
+    ``q_copy`` (head rows past ``heads`` zero-filled) and make it visible to wgmma."""
+    thr_q = q_copy.get_slice(tidx)
+    q_row = tidx // (64 // VEC)
+    t_g_q = thr_q.partition_S(cute.local_tile(m_q[t, None, None], (BLOCK_H, d_qk), (hb, 0)))
+    t_s_q = thr_q.partition_D(s_q)
+    for m in cutlass.range_constexpr(cute.size(t_s_q, mode=[1])):
+        row = q_row + m * (THREADS // (64 // VEC))
+        if cutlass.const_expr(heads >= BLOCK_H):
+            cute.copy(q_copy, t_g_q[None, m, None], t_s_q[None, m, None])
+        else:
+            if row < heads:
+                cute.copy(q_copy, t_g_q[None, m, None], t_s_q[None, m, None])
+            else:
+                t_s_q[None, m, None].fill(0)
+    cute.arch.cp_async_commit_group()
+    cute.arch.cp_async_wait_group(0)
+    cute.arch.fence_view_async_shared()  # Q -> wgmma reads
+
+
+@cute.jit
+def row_lse_and_factor(row_max: Float32, total: Float32, head: Int32, heads: cutlass.Constexpr,
+                       m_sink: cute.Tensor) -> tuple[Float32, Float32]:
+    """A head row's ``lse`` (natural log, sink excluded; +inf without a valid slot) and the factor
+    its output is scaled by: ``w / total`` with the sink weight ``w = 1 / (1 + exp(sink - lse))``
+    (0 for sink=+inf, 1 for sink=-inf, never NaN), 0 for an empty row. ``row_max`` is in base-2
+    units; ``total`` is the row's sum of ``exp2(s - row_max)``."""
+    lse_val = Float32(_INF)
+    factor = Float32(0.0)
+    if total > Float32(0.0):
+        lse_val = (row_max + cute.math.log2(total, fastmath=False)) * Float32(LN2)
+        sink = Float32(-_INF)
+        if head < heads:
+            sink = m_sink[head]
+        weight = Float32(1.0) / (Float32(1.0) + cute.math.exp2((sink - lse_val) * Float32(LOG2E),
+                                                               fastmath=False))
+        factor = weight / total
+    return lse_val, factor
+
+
+@cute.jit
+def store_out_half(acc_o: cute.Tensor, c_o: cute.Tensor, thr_o: cute.core.ThrMma,
+                   m_out: cute.Tensor, t: Int32, hb: Int32, half: Int32,
+                   heads: cutlass.Constexpr) -> None:
+    """Store a warpgroup's 64 x 256 fp32 ``acc_o`` (value columns ``256 half ..``) as bf16;
+    ``c_o`` are its coordinates, head rows past ``heads`` are skipped."""
+    g_out = cute.local_tile(m_out[t, None, None], (BLOCK_H, D_V // 2), (hb, half))
+    t_g = thr_o.partition_C(g_out)
+    r_o = cute.make_fragment_like(acc_o, BFloat16)
+    r_o.store(acc_o.load().to(BFloat16))
+    for i in cutlass.range_constexpr(cute.size(r_o)):
+        if cutlass.const_expr(heads >= BLOCK_H):
+            t_g[i] = r_o[i]
+        else:
+            if c_o[i][0] < heads:
+                t_g[i] = r_o[i]
+
+
+@cute.jit
+def producer_idx(block: Int32, t: Int32, m_idx: cute.Tensor, n_valid: Int32, p_row: Int32,
+                 bn: cutlass.Constexpr) -> list:
+    """A producer thread's KV indices of block ``block`` (``bn`` slots), one per pass of 16
+    rows (-1 past the row's valid slots)."""
+    out = []
+    for m in cutlass.range_constexpr(bn // WS_ROWS_PER_PASS):
+        slot = block * bn + p_row + m * WS_ROWS_PER_PASS
+        idx = Int32(-1)
+        if slot < n_valid:
+            idx = m_idx[t, slot]
+        out.append(idx)
+    return out
+
+
+def ws_smem_layouts(d_qk: int, bn: int, stages: int) -> tuple:
+    """Shared-memory layouts of the warp-specialised flavours: Q (64 x ``d_qk``) and a ring of
+    ``stages`` KV tiles (``bn`` x ``d_qk``), K-major 128-byte swizzled; V^T of one half of the
+    value columns, (256, ``bn``) per stage, over the KV tiles' bytes (MN-major; the right half
+    starts 256 * ``bn`` elements later, whole atoms); and the 64 x ``bn`` P tile."""
+    k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+    mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, BFloat16)
+    s_q_layout = cute.tile_to_shape(k_atom, (BLOCK_H, d_qk), (0, 1))
+    s_kv_layout = cute.tile_to_shape(k_atom, (bn, d_qk, stages), (0, 1, 2))
+    v_tile = cute.tile_to_shape(mn_atom, (D_V // 2, bn), (1, 0))
+    s_v_layout = cute.make_composed_layout(
+        v_tile.inner, 0, cute.make_layout(
+            (v_tile.outer.shape[0], v_tile.outer.shape[1], stages),
+            stride=(v_tile.outer.stride[0], v_tile.outer.stride[1], bn * d_qk)))
+    p_atom = k_atom
+    if bn % 64 != 0:
+        p_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, BFloat16)
+    s_p_layout = cute.tile_to_shape(p_atom, (BLOCK_H, bn), (0, 1))
+    return s_q_layout, s_kv_layout, s_v_layout, s_p_layout
+
+
+def ws_copies() -> tuple[cute.TiledCopy, cute.TiledCopy]:
+    """The 16-byte ``cp.async`` copies of the warp-specialised flavours: Q by the 256 consumer
+    threads, gathered KV rows by the 128 producer threads (16 rows per pass)."""
+    g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                              BFloat16, num_bits_per_copy=128)
+    cols = 64 // VEC
+    q_copy = cute.make_tiled_copy_tv(g2s, cute.make_layout((THREADS // cols, cols),
+                                                           stride=(cols, 1)),
+                                     cute.make_layout((1, VEC)))
+    kv_copy = cute.make_tiled_copy_tv(g2s, cute.make_layout((WG_THREADS // cols, cols),
+                                                            stride=(cols, 1)),
+                                      cute.make_layout((1, VEC)))
+    return q_copy, kv_copy
 
 
 class SparseMlaFwd:
@@ -338,19 +453,8 @@ class SparseMlaFwd:
         for r in cutlass.range_constexpr(rows_per_thread):
             row = c_s_mn[r, 0][0]
             head = hb * BLOCK_H + row
-            total = s_sum[row] + s_sum[BLOCK_H + row]
-            lse_val = Float32(_INF)
-            factor = Float32(0.0)
-            if total > Float32(0.0):
-                lse_val = (row_max[r] + cute.math.log2(total, fastmath=False)) * Float32(LN2)
-                sink = Float32(-_INF)
-                if head < heads:
-                    sink = m_sink[head]
-                # 1 / (1 + exp(sink - lse)): exp overflows to +inf (weight 0), never NaN
-                weight = Float32(1.0) / (Float32(1.0) + cute.math.exp2((sink - lse_val)
-                                                                       * Float32(LOG2E),
-                                                                       fastmath=False))
-                factor = weight / total
+            lse_val, factor = row_lse_and_factor(row_max[r], s_sum[row] + s_sum[BLOCK_H + row],
+                                                 head, heads, m_sink)
             for c in cutlass.range_constexpr(n_chunks):
                 acc_mn = acc_rows_cols(acc_o[c])
                 acc_mn[r, None] = acc_mn[r, None].load() * factor
@@ -666,18 +770,8 @@ class SparseMlaFwd:
         for r in cutlass.range_constexpr(rows_per_thread):
             row = c_s_mn[r, 0][0]
             head = hb * BLOCK_H + row
-            total = s_sum[row] + s_sum[BLOCK_H + row]
-            lse_val = Float32(_INF)
-            factor = Float32(0.0)
-            if total > Float32(0.0):
-                lse_val = (row_max[r] + cute.math.log2(total, fastmath=False)) * Float32(LN2)
-                sink = Float32(-_INF)
-                if head < heads:
-                    sink = m_sink[head]
-                weight = Float32(1.0) / (Float32(1.0) + cute.math.exp2((sink - lse_val)
-                                                                       * Float32(LOG2E),
-                                                                       fastmath=False))
-                factor = weight / total
+            lse_val, factor = row_lse_and_factor(row_max[r], s_sum[row] + s_sum[BLOCK_H + row],
+                                                 head, heads, m_sink)
             acc_o_mn[r, None] = acc_o_mn[r, None].load() * factor
             if (wg == 0) & (lane % 4 == 0) & (head < heads):
                 m_lse[t, head] = lse_val
@@ -781,23 +875,7 @@ class SparseMlaFwd:
         bn = self.ws_block_n
         stages = self.ws_stages
         half = D_V // 2
-        k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
-        mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128,
-                                                  BFloat16)
-        s_q_layout = cute.tile_to_shape(k_atom, (BLOCK_H, d), (0, 1))
-        s_kv_layout = cute.tile_to_shape(k_atom, (bn, d, stages), (0, 1, 2))
-        # V^T of one half of the value columns: (256 value columns, 64 KV rows) over the KV
-        # tile's bytes; the right half starts 256 * bn elements later (whole atoms).
-        v_tile = cute.tile_to_shape(mn_atom, (half, bn), (1, 0))
-        s_v_layout = cute.make_composed_layout(
-            v_tile.inner, 0, cute.make_layout(
-                (v_tile.outer.shape[0], v_tile.outer.shape[1], stages),
-                stride=(v_tile.outer.stride[0], v_tile.outer.stride[1], bn * d)))
-        p_atom = k_atom
-        if cutlass.const_expr(bn % 64 != 0):
-            p_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64,
-                                                     BFloat16)
-        s_p_layout = cute.tile_to_shape(p_atom, (BLOCK_H, bn), (0, 1))
+        s_q_layout, s_kv_layout, s_v_layout, s_p_layout = ws_smem_layouts(d, bn, stages)
 
         @cute.struct
         class SharedStorage:
@@ -813,16 +891,7 @@ class SparseMlaFwd:
             # full[stages], empty[stages], p_full, p_free
             mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 2 * stages + 2], 8]
 
-        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                  BFloat16, num_bits_per_copy=128)
-        cols = 64 // VEC
-        # Q: the 256 consumer threads; KV: the 128 producer threads (16 rows per pass)
-        q_copy = cute.make_tiled_copy_tv(
-            g2s, cute.make_layout((THREADS // cols, cols), stride=(cols, 1)),
-            cute.make_layout((1, VEC)))
-        kv_copy = cute.make_tiled_copy_tv(
-            g2s, cute.make_layout((WG_THREADS // cols, cols), stride=(cols, 1)),
-            cute.make_layout((1, VEC)))
+        q_copy, kv_copy = ws_copies()
         mma_s = sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
             Float32, (1, 1, 1), (BLOCK_H, bn))
@@ -888,22 +957,7 @@ class SparseMlaFwd:
         cute.arch.mbarrier_init_fence()
 
         if tidx < THREADS:
-            thr_q = q_copy.get_slice(tidx)
-            q_row = tidx // (64 // VEC)
-            t_g_q = thr_q.partition_S(cute.local_tile(m_q[t, None, None], (BLOCK_H, d), (hb, 0)))
-            t_s_q = thr_q.partition_D(s_q)
-            for m in cutlass.range_constexpr(cute.size(t_s_q, mode=[1])):
-                row = q_row + m * (THREADS // (64 // VEC))
-                if cutlass.const_expr(heads >= BLOCK_H):
-                    cute.copy(q_copy, t_g_q[None, m, None], t_s_q[None, m, None])
-                else:
-                    if row < heads:
-                        cute.copy(q_copy, t_g_q[None, m, None], t_s_q[None, m, None])
-                    else:
-                        t_s_q[None, m, None].fill(0)
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.fence_view_async_shared()  # Q -> wgmma reads
+            load_q_tile(m_q, s_q, q_copy, t, hb, tidx, d, heads)
         cute.arch.barrier()
 
         if wg == 2:
@@ -1022,18 +1076,8 @@ class SparseMlaFwd:
                 for r in cutlass.range_constexpr(rows):
                     row = c_o_mn[r, 0][0]
                     head = hb * BLOCK_H + row
-                    total = quad_sum(row_sum[r])
-                    lse_val = Float32(_INF)
-                    factor = Float32(0.0)
-                    if total > Float32(0.0):
-                        lse_val = (row_max[r] + cute.math.log2(total, fastmath=False)) \
-                            * Float32(LN2)
-                        sink = Float32(-_INF)
-                        if head < heads:
-                            sink = m_sink[head]
-                        weight = Float32(1.0) / (Float32(1.0) + cute.math.exp2(
-                            (sink - lse_val) * Float32(LOG2E), fastmath=False))
-                        factor = weight / total
+                    lse_val, factor = row_lse_and_factor(row_max[r], quad_sum(row_sum[r]), head,
+                                                         heads, m_sink)
                     if lane % 4 == 0:
                         s_fac[row] = factor
                         if head < heads:
@@ -1059,30 +1103,13 @@ class SparseMlaFwd:
             cute.arch.barrier(barrier_id=WS_EPILOGUE_BARRIER, number_of_threads=THREADS)
             for r in cutlass.range_constexpr(rows):
                 acc_o_mn[r, None] = acc_o_mn[r, None].load() * s_fac[c_o_mn[r, 0][0]]
-            g_out = cute.local_tile(m_out[t, None, None], (BLOCK_H, half), (hb, wg))
-            t_g = thr_o.partition_C(g_out)
-            r_o = cute.make_fragment_like(acc_o, BFloat16)
-            r_o.store(acc_o.load().to(BFloat16))
-            for i in cutlass.range_constexpr(cute.size(r_o)):
-                if cutlass.const_expr(heads >= BLOCK_H):
-                    t_g[i] = r_o[i]
-                else:
-                    if c_o[i][0] < heads:
-                        t_g[i] = r_o[i]
+            store_out_half(acc_o, c_o, thr_o, m_out, t, hb, wg, heads)
 
     @cute.jit
     def load_idx_ws(self, block: Int32, t: Int32, m_idx: cute.Tensor, n_valid: Int32,
                     p_row: Int32) -> list:
         """The producer thread's KV indices of block ``block``, one per pass (-1 past the end)."""
-        bn = self.ws_block_n
-        out = []
-        for m in cutlass.range_constexpr(bn // WS_ROWS_PER_PASS):
-            slot = block * bn + p_row + m * WS_ROWS_PER_PASS
-            idx = Int32(-1)
-            if slot < n_valid:
-                idx = m_idx[t, slot]
-            out.append(idx)
-        return out
+        return producer_idx(block, t, m_idx, n_valid, p_row, self.ws_block_n)
 
 
 def _ldsm_a(tiled_mma: cute.TiledMma) -> cute.TiledCopy:
@@ -1166,6 +1193,7 @@ def compile_fwd(arch: str, d_qk: int, heads: int, layout: str, kv_stages: int | 
     """``cute.compile`` the forward for ``arch`` (``CUTE_DSL_ARCH=<arch>`` set before import).
 
     ``impl=None`` takes :func:`default_impl`, ``kv_stages=None`` :func:`default_kv_stages`.
+    ``impl="wgmma_split"`` compiles :class:`~dsa_aot.kernels.cutedsl_fwd_split.SparseMlaFwdSplit`.
     Returns the compiled function and the fake arguments it was compiled with.
     """
     impl = impl or default_impl(arch)
@@ -1173,8 +1201,16 @@ def compile_fwd(arch: str, d_qk: int, heads: int, layout: str, kv_stages: int | 
     if impl != "mma" and arch != "sm_90a":
         raise ValueError(f"impl={impl!r} needs sm_90a, not {arch}; use impl='mma'")
     fakes = fake_arguments(d_qk, heads, layout)
-    cls = SparseMlaFwdCompact if layout == "compact" else SparseMlaFwdNoncompact
-    compiled = cute.compile(cls(d_qk, heads, layout, kv_stages, impl), *fakes.values(),
+    if impl == "wgmma_split":  # its own kernel class (two KV buffers, fixed)
+        from dsa_aot.kernels.cutedsl_fwd_split import entry_class
+
+        if kv_stages != 2:
+            raise ValueError(f"impl={impl!r} needs kv_stages=2")
+        kernel = entry_class(layout)(d_qk, heads, layout)
+    else:
+        cls = SparseMlaFwdCompact if layout == "compact" else SparseMlaFwdNoncompact
+        kernel = cls(d_qk, heads, layout, kv_stages, impl)
+    compiled = cute.compile(kernel, *fakes.values(),
                             options=f"--gpu-arch {arch} {extra_options}".strip())
     return compiled, fakes
 

@@ -91,9 +91,9 @@ class BuildRequest(BaseModel):
                                  f"d_qk={self.d_qk}, heads={self.heads}, layout={self.layout}")
             if self.use_isfinite is not None:
                 raise ValueError("use_isfinite applies to bwd_preprocess only")
-            if self.impl in ("wgmma", "wgmma_pipe", "wgmma_ws") and self.arch != "sm_90a":
+            if self.impl in ("wgmma", "wgmma_pipe", "wgmma_ws", "wgmma_split") and self.arch != "sm_90a":
                 raise ValueError(f"impl={self.impl} needs sm_90a, not {self.arch}; use impl=mma")
-            if self.impl in ("wgmma_pipe", "wgmma_ws") and self.kv_stages == 1:
+            if self.impl in ("wgmma_pipe", "wgmma_ws", "wgmma_split") and self.kv_stages == 1:
                 raise ValueError(f"impl={self.impl} needs kv_stages=2")
         elif self.kernel == "bwd_main":
             if None in fwd:
@@ -143,7 +143,7 @@ KERNELS: dict[str, tuple[str, str]] = {
     "bwd_postprocess": ("dsa_aot.kernels.cutedsl_bwd_postprocess", "compile_bwd_postprocess"),
 }
 #: MMA flavours a spec's ``tile.flavour`` may name, per stage that has them.
-FLAVOURS: dict[str, tuple[str, ...]] = {"fwd": ("mma", "wgmma", "wgmma_pipe", "wgmma_ws"),
+FLAVOURS: dict[str, tuple[str, ...]] = {"fwd": ("mma", "wgmma", "wgmma_pipe", "wgmma_ws", "wgmma_split"),
                                         "bwd_main": ("mma", "wgmma")}
 
 
@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="fwd, bwd_main: head counts to build (default all)")
     build.add_argument("--layout", action="append", choices=["compact", "noncompact"],
                        help="fwd, bwd_main: layouts to build (default both)")
-    build.add_argument("--impl", choices=["mma", "wgmma", "wgmma_pipe", "wgmma_ws"],
+    build.add_argument("--impl", choices=["mma", "wgmma", "wgmma_pipe", "wgmma_ws", "wgmma_split"],
                        help="fwd: MMA flavour (default: wgmma_ws on sm_90a, mma on sm_100a)")
     build.add_argument("--kv-stages", type=int, choices=[1, 2],
                        help="fwd: gathered KV tiles in flight (default: 1 for mma, else 2)")

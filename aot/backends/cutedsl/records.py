@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 Arch = Literal["sm_90a", "sm_100a"]
 CuteKernel = Literal["bwd_preprocess", "bwd_postprocess", "fwd", "bwd_main"]
 FwdLayout = Literal["compact", "noncompact"]
-FwdImpl = Literal["mma", "wgmma", "wgmma_pipe", "wgmma_ws"]
+FwdImpl = Literal["mma", "wgmma", "wgmma_pipe", "wgmma_ws", "wgmma_split"]
 #: The forward's MMA flavour per arch when a request names none (wgmma needs sm_90a).
 FWD_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma_ws", "sm_100a": "mma"}
 #: The backward main stage's MMA flavour per arch when a request names none: wgmma on sm_90a
@@ -24,7 +24,7 @@ BWD_MAIN_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma", "sm_100a": "mma"}
 #: Gathered KV tiles in flight per flavour when a request names none (measured on the H200:
 #: mma 241 vs 208 TFLOPS with one vs two, wgmma 376 vs 353 with two vs one).
 FWD_DEFAULT_KV_STAGES: dict[str, int] = {"mma": 1, "wgmma": 2, "wgmma_pipe": 2,
-                                         "wgmma_ws": 2}
+                                         "wgmma_ws": 2, "wgmma_split": 2}
 LinkMode = Literal["dsl_runtime", "static_cudart"]
 CType = Literal["int32", "int64"]
 
@@ -146,7 +146,7 @@ class CuteExportRecord(BaseModel):
     layout: FwdLayout | None = Field(None, description="fwd: topk_length given (compact) or not")
     kv_stages: int | None = Field(None, description="fwd: gathered KV tiles in flight (1 or 2)")
     impl: FwdImpl | None = Field(None, description="fwd: mma.sync (any arch), wgmma, "
-                                 "wgmma_pipe or wgmma_ws (sm_90a)")
+                                 "wgmma_pipe, wgmma_ws or wgmma_split (sm_90a)")
     deterministic: bool = Field(False, description="backward: the deterministic variant (dkv_acc "
                                 "[shards, s_kv, D], d_sink_acc [parts, H], folded in order)")
     dsl_version: str

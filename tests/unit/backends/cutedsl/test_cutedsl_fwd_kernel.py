@@ -7,7 +7,8 @@ carries the scalar by value where the C wrapper puts it; bad inputs raise clear 
 any CUDA call.
 GPU (``-m gpu``): numerics against the fp64 reference from NaN-poisoned outputs over both layouts,
 H 16/64/128, D 512/576, S_q {1, 62}, S_kv {95, 4096}, K {128, 300, 2048}, and every edge case of
-the contract. Each variant is a cutedsl fwd spec built and published by
+the contract, and running maxima that move from block to block. Each variant is a cutedsl fwd
+spec built and published by
 :func:`dsa_aot.build.build_and_publish` and loaded by the backend; ``DSA_AOT_CUTE_FWD_IMPL``
 (``flavour[:num_stages]``) sets the spec's ``tile`` to test another MMA flavour.
 """
@@ -188,6 +189,12 @@ def test_build_request_validation() -> None:
     with pytest.raises(ValidationError, match="impl=wgmma_ws needs kv_stages=2"):
         BuildRequest(kernel="fwd", arch="sm_90a", d_qk=576, heads=64, layout="compact",
                      impl="wgmma_ws", kv_stages=1)
+    with pytest.raises(ValidationError, match="impl=wgmma_split needs sm_90a, not sm_100a"):
+        BuildRequest(kernel="fwd", arch="sm_100a", d_qk=576, heads=64, layout="compact",
+                     impl="wgmma_split")
+    with pytest.raises(ValidationError, match="impl=wgmma_split needs kv_stages=2"):
+        BuildRequest(kernel="fwd", arch="sm_90a", d_qk=576, heads=64, layout="compact",
+                     impl="wgmma_split", kv_stages=1)
     with pytest.raises(ValidationError, match="use_isfinite applies to bwd_preprocess only"):
         BuildRequest(kernel="fwd", arch="sm_90a", d_qk=576, heads=64, layout="compact",
                      use_isfinite=True)
@@ -209,38 +216,45 @@ def test_cli_rejects_bad_combinations(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_full_sweep_builds(tmp_path: Path) -> None:
     """Every (arch, d_qk, heads, layout) with the arch default, plus every sm_90a variant of
-    the warp-specialised ``wgmma_ws``: 48 variants (about 1-3 s each, two workers)."""
+    the warp-specialised ``wgmma_ws`` and ``wgmma_split``: 64 variants (about 1-10 s each, two
+    workers)."""
     variants = [(a, d, h, lay) for a in ("sm_90a", "sm_100a") for d in (512, 576)
                 for h in (16, 32, 64, 128) for lay in ("compact", "noncompact")]
-    ws = [("sm_90a", d, h, lay, None, "wgmma_ws") for d in (512, 576) for h in (16, 32, 64, 128)
-          for lay in ("compact", "noncompact")]
+    ws = [("sm_90a", d, h, lay, None, impl) for impl in ("wgmma_ws", "wgmma_split")
+          for d in (512, 576) for h in (16, 32, 64, 128) for lay in ("compact", "noncompact")]
     records = build_cutedsl([fwd_request(*v) for v in variants + ws], tmp_path)
     assert sorted(r.name for r in records) == sorted(fwd_name(*v) for v in variants + ws)
     for rec in records:
         print(f"{rec.name}: {rec.build_seconds:.2f} s")
 
 
-#: ``wgmma_ws`` (sm_90a, not the default): a padded head block and a two-CTA head count.
+#: The warp-specialised flavours (sm_90a, not the default): a padded head block and a two-CTA
+#: head count, both head dims and both layouts (``wgmma_split`` keeps warpgroup 0's P in the
+#: RoPE columns at D_qk 576 and in a tile of its own at 512).
 WS_VARIANTS = [(576, 64, "compact"), (512, 16, "noncompact")]
+SPLIT_VARIANTS = [(576, 128, "noncompact"), (512, 32, "compact")]
 
 
 @needs_dsl
-def test_wgmma_ws_builds(tmp_path: Path) -> None:
-    """The warp-specialised flavour compiles, exports and links; its record names it, and the
-    kernel in its cubin is launched with 384 threads (three warpgroups)."""
-    records = build_cutedsl([fwd_request("sm_90a", *v, None, "wgmma_ws") for v in WS_VARIANTS],
-                            tmp_path)
+@pytest.mark.parametrize("impl,variants,kernel", [("wgmma_ws", WS_VARIANTS, b"kernel_ws"),
+                                                  ("wgmma_split", SPLIT_VARIANTS,
+                                                   b"kernel_split")])
+def test_warp_specialised_flavours_build(tmp_path: Path, impl: str, variants: list,
+                                         kernel: bytes) -> None:
+    """A warp-specialised flavour compiles, exports and links; its record names it, and its
+    kernel (384 threads: three warpgroups) is in the sm_90a cubin."""
+    records = build_cutedsl([fwd_request("sm_90a", *v, None, impl) for v in variants], tmp_path)
     assert sorted(r.name for r in records) == sorted(
-        fwd_name("sm_90a", *v, None, "wgmma_ws") for v in WS_VARIANTS)
-    for rec, (d_qk, heads, layout) in zip(records, WS_VARIANTS):
+        fwd_name("sm_90a", *v, None, impl) for v in variants)
+    for rec, (d_qk, heads, layout) in zip(records, variants):
         assert (rec.impl, rec.kv_stages, rec.d_qk, rec.heads, rec.layout) == (
-            "wgmma_ws", 2, d_qk, heads, layout)
-        assert rec.name == fwd_name("sm_90a", d_qk, heads, layout, None, "wgmma_ws")
+            impl, 2, d_qk, heads, layout)
+        assert rec.name == fwd_name("sm_90a", d_qk, heads, layout, None, impl)
         assert [a.name for a in rec.args] == TENSORS[layout] + ["softmax_scale", "stream"]
         cubin = embedded_cubin((tmp_path / rec.name / rec.object_file).read_bytes())
         flags, = struct.unpack_from("<I", cubin, 0x30)
         assert 90 in (flags & 0xFF, (flags >> 8) & 0xFF)
-        assert b"kernel_ws" in cubin
+        assert kernel in cubin
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,6 +464,39 @@ def test_gpu_very_negative_scores(gpu_kernels: dict, layout: str) -> None:
                        inp["sink"], scale)
     assert torch.isfinite(lse).all() and (lse < -80).all()
     check_against_reference(gpu_kernels, inp, scale, lse_tol=2e-2)  # |lse| ~ 95: fp32 ulps
+
+
+def ramped_inputs(pattern: str, layout: str, seed: int, s_q: int = 3, k: int = 677,
+                  heads: int = 64, d_qk: int = 576) -> dict[str, object]:
+    """Scores whose level moves from one block of 64 slots to the next (about +-1.5 per block,
+    or +3 on every odd block), on top of unit noise: every block changes the running max, and
+    several blocks still carry weight. ``k = 677`` leaves a partial last block (11 blocks)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    v = torch.randn(d_qk, generator=g, device=dev)
+    q = v + 0.5 * torch.randn(s_q, heads, d_qk, generator=g, device=dev)
+    block = torch.arange(k, device=dev) // 64
+    level = {"rising": 1.5 * block, "falling": -1.5 * block,
+             "odd_blocks_higher": 3.0 * (block % 2)}[pattern].float()
+    coef = level / (d_qk ** -0.5 * v.dot(v))
+    kv = coef[:, None] * v[None, :] + torch.randn(k, d_qk, generator=g, device=dev)
+    idx = torch.arange(k, dtype=torch.int32, device=dev)[None, :].repeat(s_q, 1)  # slot j: row j
+    length = torch.full((s_q,), k, dtype=torch.int32, device=dev) if layout == "compact" else None
+    sink = torch.randn(heads, generator=g, device=dev)
+    return dict(q=q.to(torch.bfloat16), kv=kv.to(torch.bfloat16), idx=idx, length=length,
+                sink=sink)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("pattern", ["rising", "falling", "odd_blocks_higher"])
+@pytest.mark.parametrize("layout", ["compact", "noncompact"])
+def test_gpu_running_max_moves_between_blocks(gpu_kernels: dict, pattern: str,
+                                              layout: str) -> None:
+    """The online softmax's rescaling when the max rises or falls block after block (and, for
+    ``wgmma_split``, between the two blocks of a pair the two consumer warpgroups share)."""
+    inp = ramped_inputs(pattern, layout, seed=len(pattern))
+    check_against_reference(gpu_kernels, inp, 576 ** -0.5)
 
 
 @pytest.mark.gpu

@@ -43,7 +43,8 @@ def test_default_tile_leaves_the_kernel_defaults() -> None:
 
 
 @pytest.mark.parametrize("flavour,num_stages", [("mma", 1), ("mma", 2), ("wgmma", 1), ("wgmma", 2),
-                                                ("wgmma_pipe", None), ("wgmma_ws", 2)])
+                                                ("wgmma_pipe", None), ("wgmma_ws", 2),
+                                                ("wgmma_split", None)])
 def test_fwd_flavour_and_num_stages_become_impl_and_kv_stages(flavour: str, num_stages: int | None) -> None:
     (req,) = requests_for(_spec("fwd", flavour=flavour, num_stages=num_stages), ("fwd",))
     assert (req.impl, req.kv_stages) == (flavour, num_stages)
@@ -81,7 +82,8 @@ def test_fields_the_kernels_cannot_honour_are_refused(op: str, tile: dict, fragm
         backend.build(spec)
 
 
-@pytest.mark.parametrize("op,flavour", [("fwd", "wgmma"), ("fwd", "wgmma_ws"), ("bwd", "wgmma")])
+@pytest.mark.parametrize("op,flavour", [("fwd", "wgmma"), ("fwd", "wgmma_ws"), ("fwd", "wgmma_split"),
+                                        ("bwd", "wgmma")])
 def test_a_hopper_flavour_is_refused_for_sm_100a(op: str, flavour: str) -> None:
     spec = _spec(op, arch="sm_100a", flavour=flavour)
     with pytest.raises(ValueError, match=f"{spec.id}: tile.flavour='{flavour}' cannot be honoured.*"

@@ -1,0 +1,480 @@
+"""CuTe DSL sparse MLA forward, sm_90a flavour ``wgmma_split``: the score work split in two.
+
+Same contract as :mod:`dsa_aot.kernels.cutedsl_fwd` (and :mod:`dsa_aot.kernels.reference`):
+one CTA of 384 threads per query row and block of 64 heads (H < 64: extra rows of Q zero-filled
+and never stored; H = 128: two CTAs per row), any ``K >= 1``, both layouts, D_qk 512 or 576.
+
+Warpgroups and shared memory:
+
+* warpgroup 2, the producer (``setmaxnreg`` 72), gathers the row's valid slots two blocks of 64
+  at a time: block ``2k`` into KV buffer 0, block ``2k + 1`` into KV buffer 1, each 64 x D_qk,
+  128-byte swizzled, copied by 16-byte ``cp.async`` (an invalid slot, or one past the row's
+  blocks, is zero-filled and flagged invalid). Each buffer is two halves with their own
+  ``ready`` / ``free`` mbarriers: ``L`` = columns 0-255, ``R`` = columns 256-D_qk. The halves are
+  filled in the order the consumers free them: 0L, 1R, 0R, 1L. It starts right after the
+  mbarriers are initialised, while the consumers load Q (16-byte ``cp.async``, then a named
+  barrier of the 256 consumer threads);
+* warpgroups 0 and 1 (``setmaxnreg`` 216) alternate the blocks: warpgroup ``w`` computes the
+  whole 64 x 64 score tile ``S = Q K^T`` of buffer ``w`` (its own half first, so it starts
+  before the other half lands), masks invalid slots to -inf, and runs the online softmax of
+  that block. Warpgroup ``w`` owns value columns ``256 w .. 256 w + 255`` of ``O``: it
+  multiplies its own ``P`` (bf16, from registers: the wgmma A operand) with its half of ``V``
+  of its own buffer, and the peer's ``P`` (read from shared memory) with its half of ``V`` of
+  the peer's buffer;
+* one softmax max per pair of blocks: warpgroup 0 publishes its block's running max, warpgroup
+  1 folds it into its own and publishes the pair's max ``M``; warpgroup 0 rescales its ``P``
+  (still fp32 in registers), its ``O`` half and its row sum to ``M`` before storing ``P`` for
+  the peer. The exchanges go through shared memory and named barriers. ``P`` of warpgroup 1
+  has its own 64 x 64 tile; ``P`` of warpgroup 0 lives in the RoPE columns (512-575) of
+  buffer 0 once its scores are done (D_qk 576; a second tile at D_qk 512);
+* a half buffer is freed as soon as its last reader is done: ``0L`` and ``1R`` after the
+  owner's own ``P V``, ``0R`` (with warpgroup 0's ``P``) and ``1L`` after the peer's ``P V``.
+  Per pair (named barriers in brackets, ``->`` arrive, ``<-`` wait):
+
+  - warpgroup 0: ``S`` of block 2k; softmax; ``-> MAX0``; ``O += P V0L``; free 0L;
+    ``<- MAX1``: rescale ``P``, ``O``, ``l`` to ``M``; ``P`` to shared; ``-> P0``; ``<- P1``;
+    ``O += P1 V1L``; first half of the next ``S``; free 1L; second half;
+  - warpgroup 1: ``S`` of block 2k + 1 (1R, then 1L); ``<- MAX0``; softmax with the pair's max;
+    ``-> MAX1``; ``P`` to shared; ``-> P1``; ``O += P V1R``; ``<- P0``; ``O += P0 V0R``; free 1R;
+    free 0R;
+* epilogue: the two row sums (each relative to the same final max) are added through shared
+  memory; ``lse = ln 2 * (M + log2(l))`` (sink excluded), ``out = O / l * w`` with the sink
+  weight ``w = 1 / (1 + exp(sink - lse))``; a row without a valid slot stores ``out = 0`` and
+  ``lse = +inf``. Each warpgroup stores its half of ``out``.
+
+This module imports ``cutlass``: use it in a build process only.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.utils import hopper_helpers as sm90_utils
+
+from dsa_aot.kernels.cutedsl_common import (D_V, VEC, quad_max, quad_sum, wg_acc_as_a,
+                                            wg_rows_cols)
+from dsa_aot.kernels.cutedsl_fwd import (BLOCK_H, BLOCK_N, LOG2E, M_FLOOR, THREADS, WG_THREADS,
+                                         WS_ROWS_PER_PASS, check_params, load_q_tile,
+                                         producer_idx, row_lse_and_factor, store_out_half,
+                                         ws_copies, ws_smem_layouts)
+
+#: 384 threads: two consumer warpgroups and the producer.
+SPLIT_THREADS = 3 * WG_THREADS
+#: setmaxnreg budgets: 2 * 216 + 72 = 3 * 168 (65536 registers / 384 threads).
+CONSUMER_REGS, PRODUCER_REGS = 216, 72
+#: Value columns each consumer warpgroup owns, and 64-column tiles per half of a KV buffer.
+HALF = D_V // 2
+TILE = 64
+HALF_TILES = HALF // TILE
+#: Named barriers (0 is __syncthreads), each joining the two consumer warpgroups.
+BAR_MAX0, BAR_MAX1, BAR_P0, BAR_P1, BAR_SUM, BAR_Q = 1, 2, 3, 4, 5, 6
+
+_INF = float("inf")
+
+
+class SparseMlaFwdSplit:
+    """The ``wgmma_split`` forward for one ``(d_qk, heads, layout)`` (sm_90a only)."""
+
+    def __init__(self, d_qk: int, heads: int, layout: str) -> None:
+        check_params(d_qk, heads, layout)
+        self.d_qk = d_qk
+        self.heads = heads
+        self.compact = layout == "compact"
+
+    # ---------------------------------------------------------------------------------------
+    # Host side
+    # ---------------------------------------------------------------------------------------
+
+    @cute.jit
+    def launch(self, q: cute.Tensor, kv: cute.Tensor, topk_idxs: cute.Tensor,
+               topk_length: cute.Tensor, attn_sink: cute.Tensor, out: cute.Tensor,
+               lse: cute.Tensor, softmax_scale: Float32, stream: cuda.CUstream) -> None:
+        d = self.d_qk
+        # Q, the two KV buffers, V^T of one half of the value columns in both, a P tile
+        s_q_layout, s_kv_layout, s_v_layout, s_p_layout = ws_smem_layouts(d, BLOCK_N, 2)
+        # P of warpgroup 1, and of warpgroup 0 unless it fits in buffer 0's RoPE columns
+        p_tiles = 1 if d > D_V else 2
+
+        @cute.struct
+        class SharedStorage:
+            s_q: cute.struct.Align[cute.struct.MemRange[BFloat16,
+                                                         cute.cosize(s_q_layout.outer)], 1024]
+            s_kv: cute.struct.Align[cute.struct.MemRange[
+                BFloat16, cute.cosize(s_kv_layout.outer)], 1024]
+            s_p: cute.struct.Align[cute.struct.MemRange[
+                BFloat16, cute.cosize(s_p_layout.outer) * p_tiles], 1024]
+            s_max: cute.struct.Align[cute.struct.MemRange[Float32, BLOCK_H], 16]
+            s_sum: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BLOCK_H], 16]
+            s_valid: cute.struct.Align[cute.struct.MemRange[Int32, 2 * BLOCK_N], 16]
+            # ready[buffer][half], free[buffer][half]
+            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 8], 8]
+
+        q_copy, kv_copy = ws_copies()  # Q: the consumer threads; KV: the producer's
+        mma_s = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, (1, 1, 1), (BLOCK_H, BLOCK_N))
+        # P V with the peer's P from shared memory, and with this warpgroup's P from registers
+        mma_pv = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, (1, 1, 1), (BLOCK_H, HALF))
+        mma_pv_rs = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, (1, 1, 1), (BLOCK_H, HALF), a_source=warpgroup.OperandSource.RMEM)
+        s_q = cute.size(q, mode=[0])
+        if s_q > 0:
+            self.kernel_split(q, kv, topk_idxs, topk_length, attn_sink, out, lse,
+                              softmax_scale * Float32(LOG2E), s_q_layout, s_kv_layout,
+                              s_v_layout, s_p_layout, q_copy, kv_copy, mma_s, mma_pv, mma_pv_rs,
+                              SharedStorage).launch(
+                grid=[s_q, (self.heads + BLOCK_H - 1) // BLOCK_H, 1],
+                block=[SPLIT_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    # ---------------------------------------------------------------------------------------
+    # Device side
+    # ---------------------------------------------------------------------------------------
+
+    @cute.kernel
+    def kernel_split(self, m_q: cute.Tensor, m_kv: cute.Tensor, m_idx: cute.Tensor,
+                     m_len: cute.Tensor, m_sink: cute.Tensor, m_out: cute.Tensor,
+                     m_lse: cute.Tensor, scale_log2: Float32, s_q_layout: cute.ComposedLayout,
+                     s_kv_layout: cute.ComposedLayout, s_v_layout: cute.ComposedLayout,
+                     s_p_layout: cute.ComposedLayout, q_copy: cute.TiledCopy,
+                     kv_copy: cute.TiledCopy, mma_s: cute.TiledMma, mma_pv: cute.TiledMma,
+                     mma_pv_rs: cute.TiledMma, SharedStorage: cutlass.Constexpr) -> None:
+        d = self.d_qk
+        mma_s.set(warpgroup.Field.ACCUMULATE, True)  # accumulators are zero-filled instead
+        mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+        mma_pv_rs.set(warpgroup.Field.ACCUMULATE, True)
+        tidx, _, _ = cute.arch.thread_idx()
+        t, hb, _ = cute.arch.block_idx()
+        wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
+        topk = cute.size(m_idx, mode=[1])
+        n_valid = topk
+        if cutlass.const_expr(self.compact):
+            n_valid = cutlass.max(cutlass.min(m_len[t], topk), Int32(0))
+        n_pairs = (n_valid + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        s_q = storage.s_q.get_tensor(s_q_layout.outer, swizzle=s_q_layout.inner)
+        s_kv_all = storage.s_kv.get_tensor(s_kv_layout.outer, swizzle=s_kv_layout.inner)
+        s_p1 = storage.s_p.get_tensor(s_p_layout.outer, swizzle=s_p_layout.inner)
+        if cutlass.const_expr(d > D_V):  # buffer 0's RoPE columns: free once its S is done
+            s_p0 = cute.make_tensor(s_kv_all.iterator + D_V * BLOCK_N, s_p_layout.outer)
+        else:
+            s_p0 = cute.make_tensor(s_p1.iterator + cute.cosize(s_p_layout.outer),
+                                    s_p_layout.outer)
+        s_max = storage.s_max.get_tensor(cute.make_layout(BLOCK_H))
+        s_sum = storage.s_sum.get_tensor(cute.make_layout(2 * BLOCK_H))
+        s_valid = storage.s_valid.get_tensor(cute.make_layout(2 * BLOCK_N))
+        ready = storage.mbar.data_ptr()
+        free = ready + 4
+
+        if tidx == 0:
+            for i in cutlass.range_constexpr(4):
+                # 128 cp.async arrivals (noinc) + 128 plain arrivals of the producer
+                cute.arch.mbarrier_init(ready + i, 2 * WG_THREADS)
+                cute.arch.mbarrier_init(free + i, WG_THREADS)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()  # the mbarriers are initialised; the producer need not wait for Q
+
+        if wg == 2:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            self.produce(m_kv, m_idx, s_kv_all, s_valid, kv_copy, ready, free, t, n_valid,
+                         n_pairs, tidx % WG_THREADS)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            load_q_tile(m_q, s_q, q_copy, t, hb, tidx, d, self.heads)
+            cute.arch.barrier(barrier_id=BAR_Q, number_of_threads=THREADS)
+            if wg == 0:
+                self.consume(0, m_sink, m_out, m_lse, scale_log2, s_q, s_kv_all, s_v_layout,
+                             s_p0, s_p1, s_max, s_sum, s_valid, ready, free, mma_s, mma_pv,
+                             mma_pv_rs, t, hb, n_pairs, tidx)
+            else:
+                self.consume(1, m_sink, m_out, m_lse, scale_log2, s_q, s_kv_all, s_v_layout,
+                             s_p1, s_p0, s_max, s_sum, s_valid, ready, free, mma_s, mma_pv,
+                             mma_pv_rs, t, hb, n_pairs, tidx)
+
+    # ---- producer ----------------------------------------------------------------------------
+
+    @cute.jit
+    def produce(self, m_kv: cute.Tensor, m_idx: cute.Tensor, s_kv_all: cute.Tensor,
+                s_valid: cute.Tensor, kv_copy: cute.TiledCopy, ready: cute.Pointer,
+                free: cute.Pointer, t: Int32, n_valid: Int32, n_pairs: Int32,
+                wtid: Int32) -> None:
+        """Gather blocks ``2k`` / ``2k + 1`` into buffers 0 / 1, half by half (0L, 1R, 0R, 1L)."""
+        d = self.d_qk
+        s_kv = cute.size(m_kv, mode=[0])
+        thr_kv = kv_copy.get_slice(wtid)
+        p_row = wtid // (TILE // VEC)
+        t_g_kv = thr_kv.partition_S(cute.local_tile(m_kv, (BLOCK_N, d), (0, 0)))  # (CPY, 4, T)
+        t_s_kv = thr_kv.partition_D(s_kv_all)  # (CPY, 4, T, 2)
+        row_stride = m_kv.stride[0]
+        for k in cutlass.range(n_pairs, unroll=1):
+            idx0 = producer_idx(2 * k, t, m_idx, n_valid, p_row, BLOCK_N)
+            idx1 = producer_idx(2 * k + 1, t, m_idx, n_valid, p_row, BLOCK_N)
+            phase = (k % 2) ^ 1
+            for buf, half in ((0, 0), (1, 1), (0, 1), (1, 0)):
+                idx = idx0 if buf == 0 else idx1
+                cute.arch.mbarrier_wait(free + 2 * buf + half, phase)
+                for m in cutlass.range_constexpr(BLOCK_N // WS_ROWS_PER_PASS):
+                    row = p_row + m * WS_ROWS_PER_PASS
+                    valid = (idx[m] >= 0) & (idx[m] < s_kv)
+                    if valid:
+                        src_t = t_g_kv[None, m, None]
+                        offset = cutlass.Int64(idx[m] - row) * row_stride
+                        src = cute.make_tensor(src_t.iterator + offset, src_t.layout)
+                        for c in cutlass.range_constexpr(half_tiles(half, d)[0],
+                                                         half_tiles(half, d)[1]):
+                            cute.copy(kv_copy, src[None, c], t_s_kv[None, m, c, buf])
+                    else:
+                        for c in cutlass.range_constexpr(half_tiles(half, d)[0],
+                                                         half_tiles(half, d)[1]):
+                            t_s_kv[None, m, c, buf].fill(0)
+                    if half == buf:  # a buffer's first half carries its validity flags
+                        if wtid % (TILE // VEC) == 0:
+                            s_valid[buf * BLOCK_N + row] = Int32(1) if valid else Int32(0)
+                cute.arch.cp_async_mbarrier_arrive_noinc(ready + 2 * buf + half)
+                cute.arch.mbarrier_arrive(ready + 2 * buf + half)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+
+    # ---- consumers ---------------------------------------------------------------------------
+
+    @cute.jit
+    def consume(self, w: cutlass.Constexpr, m_sink: cute.Tensor, m_out: cute.Tensor,
+                m_lse: cute.Tensor, scale_log2: Float32, s_q: cute.Tensor,
+                s_kv_all: cute.Tensor, s_v_layout: cute.ComposedLayout, s_p_own: cute.Tensor,
+                s_p_peer: cute.Tensor, s_max: cute.Tensor, s_sum: cute.Tensor,
+                s_valid: cute.Tensor, ready: cute.Pointer, free: cute.Pointer,
+                mma_s: cute.TiledMma, mma_pv: cute.TiledMma, mma_pv_rs: cute.TiledMma,
+                t: Int32, hb: Int32, n_pairs: Int32, tidx: Int32) -> None:
+        """Consumer warpgroup ``w``: the blocks of buffer ``w``, value columns ``256 w ..``."""
+        heads = self.heads
+        wtid = tidx % WG_THREADS
+        lane = cute.arch.lane_idx()
+        peer = 1 - w
+        wg_s = mma_s.get_slice(0)
+        r_q = mma_s.make_fragment_A(wg_s.partition_A(s_q))             # (MMA, 1, D/16)
+        r_k = mma_s.make_fragment_B(wg_s.partition_B(s_kv_all))        # (MMA, 1, D/16, 2)
+        thr_s = mma_s.get_slice(wtid)
+        c_s_mn = wg_rows_cols(thr_s.partition_C(cute.make_identity_tensor((BLOCK_H, BLOCK_N))))
+        s_v = cute.make_tensor(s_kv_all.iterator + w * (HALF * BLOCK_N), s_v_layout.outer)
+        wg_pv = mma_pv.get_slice(0)
+        r_v = mma_pv.make_fragment_B(wg_pv.partition_B(s_v))           # (MMA, 1, 4, 2)
+        r_p_peer = mma_pv.make_fragment_A(wg_pv.partition_A(s_p_peer))  # (MMA, 1, 4)
+        r_v_rs = mma_pv_rs.make_fragment_B(mma_pv_rs.get_slice(0).partition_B(s_v))
+        thr_pv = mma_pv.get_slice(wtid)
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((BLOCK_H, HALF)), Float32)
+        acc_o.fill(0.0)
+        acc_o_mn = wg_rows_cols(acc_o)
+        c_o = thr_pv.partition_C(cute.make_identity_tensor((BLOCK_H, HALF)))
+        c_o_mn = wg_rows_cols(c_o)
+        acc_s = cute.make_rmem_tensor(thr_s.partition_shape_C((BLOCK_H, BLOCK_N)), Float32)
+        acc_s_mn = wg_rows_cols(acc_s)
+        r_pb = cute.make_fragment_like(acc_s, BFloat16)  # this block's P, bf16
+        r_pa = wg_acc_as_a(r_pb)                         # ... as the A operand of P V
+        store_p = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(),
+                                                             BFloat16), mma_s)
+        thr_store_p = store_p.get_slice(wtid)
+        t_s_p = thr_store_p.partition_D(s_p_own)
+        rows = cute.size(acc_s_mn, mode=[0])
+        row_max = cute.make_rmem_tensor(rows, Float32)
+        row_sum = cute.make_rmem_tensor(rows, Float32)
+        row_max.fill(M_FLOOR)
+        row_sum.fill(0.0)
+
+        for k in cutlass.range(n_pairs, unroll=1):
+            phase = k % 2
+            if cutlass.const_expr(w == 0):
+                if k == 0:
+                    self.issue_qk(0, 0, acc_s, r_q, r_k, mma_s, ready, phase, True)
+                    self.issue_qk(0, 1, acc_s, r_q, r_k, mma_s, ready, phase, False)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+            else:
+                self.issue_qk(1, 1, acc_s, r_q, r_k, mma_s, ready, phase, True)
+                self.issue_qk(1, 0, acc_s, r_q, r_k, mma_s, ready, phase, False)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+            part = self.masked_row_max(w, acc_s_mn, c_s_mn, s_valid, scale_log2)
+            if cutlass.const_expr(w == 1):
+                # fold in warpgroup 0's max of its block: the pair's max
+                cute.arch.barrier(barrier_id=BAR_MAX0, number_of_threads=THREADS)
+                for r in cutlass.range_constexpr(rows):
+                    part[r] = cute.arch.fmax(part[r], s_max[c_s_mn[r, 0][0]])
+                cute.arch.sync_warp()  # every lane has read s_max before it is overwritten
+            m_new = [cute.arch.fmax(row_max[r], part[r]) for r in range(rows)]
+            self.online_softmax(acc_s_mn, acc_o_mn, row_max, row_sum, m_new)
+            if lane % 4 == 0:
+                for r in cutlass.range_constexpr(rows):
+                    s_max[c_s_mn[r, 0][0]] = m_new[r]
+            if cutlass.const_expr(w == 0):
+                cute.arch.barrier_arrive(barrier_id=BAR_MAX0, number_of_threads=THREADS)
+            else:
+                cute.arch.barrier_arrive(barrier_id=BAR_MAX1, number_of_threads=THREADS)
+            r_pb.store(acc_s.load().to(BFloat16))
+            if cutlass.const_expr(w == 1):  # P is final: hand it over before it is in flight
+                cute.copy(store_p, thr_store_p.retile(r_pb), t_s_p)
+                cute.arch.fence_view_async_shared()  # P stores -> the peer's wgmma reads
+                cute.arch.barrier_arrive(barrier_id=BAR_P1, number_of_threads=THREADS)
+            # O += P V with this warpgroup's P from registers
+            warpgroup.fence()
+            for kk in cutlass.range_constexpr(BLOCK_N // 16):
+                cute.gemm(mma_pv_rs, acc_o, r_pa[None, None, kk], r_v_rs[None, None, kk, w],
+                          acc_o)
+            warpgroup.commit_group()
+            if cutlass.const_expr(w == 0):
+                warpgroup.wait_group(0)
+                cute.arch.mbarrier_arrive(free + 0)  # 0L: read by this P V last
+                # the pair's max from warpgroup 1: rescale P, O and the row sum to it
+                cute.arch.barrier(barrier_id=BAR_MAX1, number_of_threads=THREADS)
+                rescale = cute.make_rmem_tensor(rows, Float32)
+                for r in cutlass.range_constexpr(rows):
+                    m_pair = s_max[c_s_mn[r, 0][0]]
+                    rescale[r] = cute.math.exp2(row_max[r] - m_pair, fastmath=True)
+                    row_max[r] = m_pair
+                    acc_s_mn[r, None] = acc_s_mn[r, None].load() * rescale[r]
+                r_pb.store(acc_s.load().to(BFloat16))
+                cute.copy(store_p, thr_store_p.retile(r_pb), t_s_p)
+                cute.arch.fence_view_async_shared()  # P stores -> the peer's wgmma reads
+                cute.arch.barrier_arrive(barrier_id=BAR_P0, number_of_threads=THREADS)
+                cute.arch.barrier(barrier_id=BAR_P1, number_of_threads=THREADS)
+                for r in cutlass.range_constexpr(rows):
+                    acc_o_mn[r, None] = acc_o_mn[r, None].load() * rescale[r]
+                    row_sum[r] = row_sum[r] * rescale[r]
+                warpgroup.fence()
+                self.issue_pv_peer(1, acc_o, r_p_peer, r_v, mma_pv)
+                if k + 1 < n_pairs:
+                    nxt = (k + 1) % 2
+                    self.issue_qk(0, 0, acc_s, r_q, r_k, mma_s, ready, nxt, True)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(1)
+                    cute.arch.mbarrier_arrive(free + 2)  # 1L: read by the P V above last
+                    self.issue_qk(0, 1, acc_s, r_q, r_k, mma_s, ready, nxt, False)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                else:
+                    warpgroup.wait_group(0)
+                    cute.arch.mbarrier_arrive(free + 2)
+            else:
+                cute.arch.barrier(barrier_id=BAR_P0, number_of_threads=THREADS)
+                self.issue_pv_peer(0, acc_o, r_p_peer, r_v, mma_pv)
+                warpgroup.wait_group(1)
+                cute.arch.mbarrier_arrive(free + 3)  # 1R: read by this warpgroup's P V last
+                warpgroup.wait_group(0)
+                cute.arch.mbarrier_arrive(free + 1)  # 0R (and warpgroup 0's P): the peer P V
+
+        # ---- epilogue: the two row sums (same final max), lse, sink weight, out ------------
+        for r in cutlass.range_constexpr(rows):
+            total = quad_sum(row_sum[r])
+            if lane % 4 == 0:
+                s_sum[w * BLOCK_H + c_o_mn[r, 0][0]] = total
+        cute.arch.barrier(barrier_id=BAR_SUM, number_of_threads=THREADS)
+        for r in cutlass.range_constexpr(rows):
+            row = c_o_mn[r, 0][0]
+            head = hb * BLOCK_H + row
+            lse_val, factor = row_lse_and_factor(row_max[r], s_sum[row] + s_sum[BLOCK_H + row],
+                                                 head, heads, m_sink)
+            acc_o_mn[r, None] = acc_o_mn[r, None].load() * factor
+            if cutlass.const_expr(w == 0):
+                if (lane % 4 == 0) & (head < heads):
+                    m_lse[t, head] = lse_val
+        store_out_half(acc_o, c_o, thr_pv, m_out, t, hb, w, heads)
+
+    @cute.jit
+    def issue_qk(self, buf: cutlass.Constexpr, half: cutlass.Constexpr, acc_s: cute.Tensor,
+                 r_q: cute.Tensor, r_k: cute.Tensor, mma_s: cute.TiledMma, ready: cute.Pointer,
+                 phase: Int32, first: cutlass.Constexpr) -> None:
+        """Wait for ``half`` of KV buffer ``buf`` and issue its part of ``S = Q K^T`` (no commit);
+        ``first`` zero-fills the accumulator and fences it."""
+        if cutlass.const_expr(first):
+            acc_s.fill(0.0)
+            warpgroup.fence()
+        cute.arch.mbarrier_wait(ready + 2 * buf + half, phase)
+        cute.arch.fence_view_async_shared()  # gathered rows (and zero-fills) -> wgmma reads
+        lo, hi = half_tiles(half, self.d_qk)
+        for kk in cutlass.range_constexpr(lo * (TILE // 16), hi * (TILE // 16)):
+            cute.gemm(mma_s, acc_s, r_q[None, None, kk], r_k[None, None, kk, buf], acc_s)
+
+    @cute.jit
+    def issue_pv_peer(self, buf: cutlass.Constexpr, acc_o: cute.Tensor, r_p_peer: cute.Tensor,
+                      r_v: cute.Tensor, mma_pv: cute.TiledMma) -> None:
+        """``O += P_peer V`` over this warpgroup's value columns of buffer ``buf`` (committed)."""
+        for kk in cutlass.range_constexpr(BLOCK_N // 16):
+            cute.gemm(mma_pv, acc_o, r_p_peer[None, None, kk], r_v[None, None, kk, buf], acc_o)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def masked_row_max(self, buf: cutlass.Constexpr, acc_s_mn: cute.Tensor,
+                       c_s_mn: cute.Tensor, s_valid: cute.Tensor, scale_log2: Float32) -> list:
+        """Scale the scores into base-2 units, set invalid slots to -inf (before any exp) and
+        return each row's max over the block."""
+        rows = cute.size(acc_s_mn, mode=[0])
+        cols = cute.size(acc_s_mn, mode=[1])
+        # every row of this thread has the same columns: one flag load per column
+        valid = [s_valid[buf * BLOCK_N + c_s_mn[0, j][1]] for j in range(cols)]
+        out = []
+        for r in cutlass.range_constexpr(rows):
+            part = Float32(-_INF)
+            for j in cutlass.range_constexpr(cols):
+                val = acc_s_mn[r, j] * scale_log2
+                if valid[j] == 0:
+                    val = Float32(-_INF)
+                acc_s_mn[r, j] = val
+                part = cute.arch.fmax(part, val)
+            out.append(quad_max(part))
+        return out
+
+    @cute.jit
+    def online_softmax(self, acc_s_mn: cute.Tensor, acc_o_mn: cute.Tensor,
+                       row_max: cute.Tensor, row_sum: cute.Tensor, m_new: list) -> None:
+        """``P = exp2(S - m_new)`` in place; ``O`` and the row sum rescaled to ``m_new``."""
+        for r in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[0])):
+            corr = cute.math.exp2(row_max[r] - m_new[r], fastmath=True)
+            psum = Float32(0.0)
+            for j in cutlass.range_constexpr(cute.size(acc_s_mn, mode=[1])):
+                p = cute.math.exp2(acc_s_mn[r, j] - m_new[r], fastmath=True)
+                acc_s_mn[r, j] = p
+                psum = psum + p
+            row_sum[r] = row_sum[r] * corr + psum
+            row_max[r] = m_new[r]
+            acc_o_mn[r, None] = acc_o_mn[r, None].load() * corr
+
+
+def half_tiles(half: int, d_qk: int) -> tuple[int, int]:
+    """The 64-column tiles ``[lo, hi)`` of half ``half`` of a KV buffer (L: value columns 0-255;
+    R: 256 to the end, RoPE included)."""
+    return (0, HALF_TILES) if half == 0 else (HALF_TILES, d_qk // TILE)
+
+
+class SparseMlaFwdSplitCompact(SparseMlaFwdSplit):
+    """Entry point of the compact layout (``topk_length`` given)."""
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, kv: cute.Tensor, topk_idxs: cute.Tensor,
+                 topk_length: cute.Tensor, attn_sink: cute.Tensor, out: cute.Tensor,
+                 lse: cute.Tensor, softmax_scale: Float32, stream: cuda.CUstream) -> None:
+        self.launch(q, kv, topk_idxs, topk_length, attn_sink, out, lse, softmax_scale, stream)
+
+
+class SparseMlaFwdSplitNoncompact(SparseMlaFwdSplit):
+    """Entry point of the noncompact layout (padding marked by out-of-range indices)."""
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, kv: cute.Tensor, topk_idxs: cute.Tensor,
+                 attn_sink: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
+                 softmax_scale: Float32, stream: cuda.CUstream) -> None:
+        self.launch(q, kv, topk_idxs, topk_idxs, attn_sink, out, lse, softmax_scale, stream)
+
+
+def entry_class(layout: str) -> type:
+    """The ``wgmma_split`` entry point of ``layout``, built with ``(d_qk, heads, layout)``."""
+    return SparseMlaFwdSplitCompact if layout == "compact" else SparseMlaFwdSplitNoncompact
+
+
+__all__ = ["SparseMlaFwdSplit", "SparseMlaFwdSplitCompact", "SparseMlaFwdSplitNoncompact",
+           "entry_class"]
