@@ -99,6 +99,27 @@ def test_every_variant_every_shape(d, h, layout):
         check_bwd(q, kv, out, lse, dout, idx, length, sink)
 
 
+@pytest.mark.parametrize("pattern", ["rising", "falling", "odd_blocks_higher"])
+@pytest.mark.parametrize("d,h,layout", [(576, 64, "compact"), (512, 128, "noncompact"), (576, 16, "noncompact")])
+def test_running_max_moves_between_blocks(pattern, d, h, layout):
+    """Score levels that change from one block of 64 slots to the next (every block moves the
+    running max; K 677 leaves a partial last block): the online softmax's rescaling, also when
+    warpgroups take turns over blocks."""
+    s_q, k = 5, 677
+    g = torch.Generator(device="cuda").manual_seed(len(pattern))
+    v = torch.randn(d, generator=g, device="cuda")
+    q = (v + 0.5 * torch.randn(s_q, h, d, generator=g, device="cuda")).to(torch.bfloat16)
+    block = torch.arange(k, device="cuda") // 64
+    level = {"rising": 1.5 * block, "falling": -1.5 * block, "odd_blocks_higher": 3.0 * (block % 2)}[pattern]
+    kv = (level.float()[:, None] / (d ** -0.5 * v.dot(v)) * v + torch.randn(k, d, generator=g, device="cuda"))
+    idx = torch.arange(k, dtype=torch.int32, device="cuda").repeat(s_q, 1)
+    length = torch.full((s_q,), k, dtype=torch.int32, device="cuda") if layout == "compact" else None
+    sink = torch.randn(h, generator=g, device="cuda")
+    dout = torch.randn((s_q, h, 512), generator=g, device="cuda").to(torch.bfloat16)
+    out, lse = check_fwd(q, kv.to(torch.bfloat16), idx, length, sink)
+    check_bwd(q, kv.to(torch.bfloat16), out, lse, dout, idx, length, sink)
+
+
 @pytest.mark.parametrize("layout", ["compact", "noncompact"])
 def test_empty_rows_and_topk_length_bounds(layout):
     s_q, s_kv, h, d, k = 64, 300, 64, 576, 200

@@ -17,7 +17,7 @@ CuteKernel = Literal["bwd_preprocess", "bwd_postprocess", "fwd", "bwd_main"]
 FwdLayout = Literal["compact", "noncompact"]
 FwdImpl = Literal["mma", "wgmma", "wgmma_pipe", "wgmma_ws", "wgmma_split"]
 #: The forward's MMA flavour per arch when a request names none (wgmma needs sm_90a).
-FWD_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma_ws", "sm_100a": "mma"}
+FWD_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma_split", "sm_100a": "mma"}
 #: The backward main stage's MMA flavour per arch when a request names none: wgmma on sm_90a
 #: (faster than mma on every benchmark row on the H200, bench/results/h200.md).
 BWD_MAIN_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma", "sm_100a": "mma"}
