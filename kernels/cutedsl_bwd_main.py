@@ -243,29 +243,9 @@ class SparseMlaBwdMain:
 
         # ---- q, dout -> shared (cp.async), lse/delta -> shared --------------------------------
         thr_copy = gmem_copy.get_slice(tidx)
-        rows_per_pass = THREADS // (64 // VEC)
         row_in_pass = tidx // (64 // VEC)
-        for src, dst, width in ((m_q, s_q, d), (m_do, s_do, D_V)):
-            g_src = cute.local_tile(src[t, None, None], (BLOCK_H, width), (hb, 0))
-            t_g = thr_copy.partition_S(g_src)
-            t_s = thr_copy.partition_D(dst)
-            for m in cutlass.range_constexpr(cute.size(t_s, mode=[1])):
-                if cutlass.const_expr(heads >= BLOCK_H):
-                    cute.copy(gmem_copy, t_g[None, m, None], t_s[None, m, None])
-                else:
-                    if row_in_pass + m * rows_per_pass < heads:
-                        cute.copy(gmem_copy, t_g[None, m, None], t_s[None, m, None])
-                    else:
-                        t_s[None, m, None].fill(0)
-        if tidx < BLOCK_H:
-            head = hb * BLOCK_H + tidx
-            lse_val = Float32(_INF)
-            delta_val = Float32(0.0)
-            if head < heads:
-                lse_val = m_lse[t, head] * Float32(LOG2E)
-                delta_val = m_delta[t, head]
-            s_lse[tidx] = lse_val
-            s_delta[tidx] = delta_val
+        self.load_row(t, hb, m_q, m_do, m_lse, m_delta, s_q, s_do, s_lse, s_delta, thr_copy,
+                      gmem_copy, row_in_pass, tidx)
 
         # KV rows 0..63 as a template; each thread re-bases its rows on the gathered index
         t_g_kv = thr_copy.partition_S(cute.local_tile(m_kv, (BLOCK_N, d), (0, 0)))
@@ -571,7 +551,6 @@ class SparseMlaBwdMain:
         s_lse = storage.s_lse.get_tensor(cute.make_layout(BLOCK_H))
         s_delta = storage.s_delta.get_tensor(cute.make_layout(BLOCK_H))
         thr_copy = gmem_copy.get_slice(tidx)
-        rows_per_pass = THREADS // (64 // VEC)
         row_in_pass = tidx // (64 // VEC)
         t_g_kv = thr_copy.partition_S(cute.local_tile(m_kv, (BLOCK_N, d), (0, 0)))
         t_s_kv = thr_copy.partition_D(s_kv_t)
@@ -619,27 +598,8 @@ class SparseMlaBwdMain:
                 cute.arch.barrier()  # the previous row's MMAs no longer read q / dout / lse
 
             # ---- q, dout -> shared (cp.async), lse/delta -> shared ----------------------------
-            for src, dst, width in ((m_q, s_q, d), (m_do, s_do, D_V)):
-                g_src = cute.local_tile(src[t, None, None], (BLOCK_H, width), (hb, 0))
-                t_g = thr_copy.partition_S(g_src)
-                t_s = thr_copy.partition_D(dst)
-                for m in cutlass.range_constexpr(cute.size(t_s, mode=[1])):
-                    if cutlass.const_expr(heads >= BLOCK_H):
-                        cute.copy(gmem_copy, t_g[None, m, None], t_s[None, m, None])
-                    else:
-                        if row_in_pass + m * rows_per_pass < heads:
-                            cute.copy(gmem_copy, t_g[None, m, None], t_s[None, m, None])
-                        else:
-                            t_s[None, m, None].fill(0)
-            if tidx < BLOCK_H:
-                head = hb * BLOCK_H + tidx
-                lse_val = Float32(_INF)
-                delta_val = Float32(0.0)
-                if head < heads:
-                    lse_val = m_lse[t, head] * Float32(LOG2E)
-                    delta_val = m_delta[t, head]
-                s_lse[tidx] = lse_val
-                s_delta[tidx] = delta_val
+                self.load_row(t, hb, m_q, m_do, m_lse, m_delta, s_q, s_do, s_lse, s_delta, thr_copy,
+                              gmem_copy, row_in_pass, tidx)
             acc_dq.fill(0.0)
 
             # ---- prologue: block 0 in flight -----------------------------------------------
@@ -855,6 +815,38 @@ class SparseMlaBwdMain:
                             cute.arch.atomic_add((row_ptr[r] + col).llvm_ptr, acc[r, j])
                         elif col < limit:
                             cute.arch.atomic_add((row_ptr[r] + col).llvm_ptr, acc[r, j])
+
+    @cute.jit
+    def load_row(self, t: Int32, hb: Int32, m_q: cute.Tensor, m_do: cute.Tensor, m_lse: cute.Tensor,
+                 m_delta: cute.Tensor, s_q: cute.Tensor, s_do: cute.Tensor, s_lse: cute.Tensor,
+                 s_delta: cute.Tensor, thr_copy: cute.TiledCopy, gmem_copy: cute.TiledCopy,
+                 row_in_pass: Int32, tidx: Int32) -> None:
+        """Issue the ``cp.async`` copies of query row ``t``'s ``q`` and ``dout`` (head block ``hb``;
+        zero rows past ``H``) and store its ``lse`` (base 2) and ``delta`` in shared memory."""
+        d = self.d_qk
+        heads = self.heads
+        rows_per_pass = THREADS // (64 // VEC)
+        for src, dst, width in ((m_q, s_q, d), (m_do, s_do, D_V)):
+            g_src = cute.local_tile(src[t, None, None], (BLOCK_H, width), (hb, 0))
+            t_g = thr_copy.partition_S(g_src)
+            t_s = thr_copy.partition_D(dst)
+            for m in cutlass.range_constexpr(cute.size(t_s, mode=[1])):
+                if cutlass.const_expr(heads >= BLOCK_H):
+                    cute.copy(gmem_copy, t_g[None, m, None], t_s[None, m, None])
+                else:
+                    if row_in_pass + m * rows_per_pass < heads:
+                        cute.copy(gmem_copy, t_g[None, m, None], t_s[None, m, None])
+                    else:
+                        t_s[None, m, None].fill(0)
+        if tidx < BLOCK_H:
+            head = hb * BLOCK_H + tidx
+            lse_val = Float32(_INF)
+            delta_val = Float32(0.0)
+            if head < heads:
+                lse_val = m_lse[t, head] * Float32(LOG2E)
+                delta_val = m_delta[t, head]
+            s_lse[tidx] = lse_val
+            s_delta[tidx] = delta_val
 
     @cute.jit
     def load_indices(self, block: Int32, t: Int32, m_idx: cute.Tensor, n_slots: Int32,
