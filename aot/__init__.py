@@ -1,9 +1,10 @@
 """dsa-aot: ahead-of-time compiled DeepSeek Sparse Attention (sparse MLA) kernels.
 
-``import dsa_aot`` loads no compiler; kernels come from the prebuilt cache (see README).
-In a process that has already imported torch, the API modules are bound at import, so the
-first call does only per-variant work (fingerprint, lookup, load, launch). Otherwise they
-are imported on first use, so the CLI starts without torch.
+``import dsa_aot`` loads no compiler and no pydantic; kernels come from the prebuilt cache (see
+README). In a process that has already imported torch, the API is bound at import (input
+checks, the ``torch.ops.dsa_aot`` ops); the loader and its record models are imported by the
+first call that needs a kernel, or ahead by :func:`preload`. Without torch the API modules are
+imported on first use, so the CLI starts without torch.
 """
 
 from __future__ import annotations
@@ -11,14 +12,24 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["sparse_mla", "sparse_mla_fwd", "sparse_mla_bwd", "InputError", "MissingPrebuiltError",
-           "UnsupportedDeviceError"]
+__all__ = ["sparse_mla", "sparse_mla_fwd", "sparse_mla_bwd", "preload", "InputError", "MissingPrebuiltError",
+           "UnsupportedDeviceError", "DeterminismUnavailableError"]
 
 _LAZY = {
     "sparse_mla": "dsa_aot.ops", "sparse_mla_fwd": "dsa_aot.ops", "sparse_mla_bwd": "dsa_aot.ops",
-    "InputError": "dsa_aot.validate", "MissingPrebuiltError": "dsa_aot.loader",
-    "UnsupportedDeviceError": "dsa_aot.loader",
+    "InputError": "dsa_aot.validate", "MissingPrebuiltError": "dsa_aot.errors",
+    "UnsupportedDeviceError": "dsa_aot.errors", "DeterminismUnavailableError": "dsa_aot.errors",
 }
+
+
+def preload() -> None:
+    """Import the kernel loader and its record models now, and read what a first call needs once
+    per process (the cache roots, the toolchain, the catalog's ranking), so the first call does
+    only per-variant work. Tens of milliseconds of CPU, mostly pydantic's import, which a process
+    that never calls a GPU kernel does not pay. Makes no CUDA call and imports no compiler."""
+    from dsa_aot.loader import get_loader
+
+    get_loader().prepare()
 
 
 def __getattr__(name: str) -> Any:
@@ -40,7 +51,7 @@ def _bind_if_torch_loaded() -> None:
     import sys
 
     if "torch" in sys.modules:
-        for name in __all__:
+        for name in _LAZY:
             __getattr__(name)
 
 

@@ -38,23 +38,12 @@ from dsa_aot.artifact import ArtifactManifest
 from dsa_aot.backends import BACKENDS, BuildError, CudaError, KernelBackend, ReferenceBackend
 from dsa_aot.cache.store import (META, ArtifactStore, CacheError, CorruptArtifact, Entry, mkdirs,
                                  shared_writable_reason)
+from dsa_aot.errors import (DeterminismUnavailableError, MissingPrebuiltError,  # noqa: F401  (re-exported)
+                            UnsupportedDeviceError)
 from dsa_aot.specs.keys import RuntimeIdentity
 from dsa_aot.specs.models import KernelSpec, arch_of_capability  # noqa: F401  (re-exported)
 
 log = logging.getLogger("dsa_aot")
-
-
-class MissingPrebuiltError(RuntimeError):
-    """``DSA_AOT_REQUIRE_PREBUILT=1`` and no prebuilt artifact matches the call."""
-
-
-class UnsupportedDeviceError(RuntimeError):
-    """The GPU's architecture has no kernels (only sm_90a and sm_100a are built)."""
-
-
-class DeterminismUnavailableError(RuntimeError):
-    """``deterministic=True`` and no deterministic kernel can be served for the call (the
-    torch reference is no substitute on a GPU: its scatter-add order varies too)."""
 
 
 def prebuild_command(spec: KernelSpec) -> str:
@@ -162,6 +151,18 @@ class Loader:
 
             self._buckets = load_topk_buckets()
         return self._buckets.get((backend, op, arch), [])
+
+    def prepare(self) -> None:
+        """The per-process part of a first call, done now: the stores, the toolchain, the
+        catalog's ranking and the load code (with its record models) of every ranked backend.
+        Nothing per variant, no CUDA call, no compiler import."""
+        import importlib
+
+        with self._lock:
+            self.stores()
+            self.toolchain()
+            for name in dict.fromkeys(self.ranking("fwd") + self.ranking("bwd")):
+                importlib.import_module(BACKENDS[name].runtime_module)
 
     def reset(self) -> None:
         """Forget everything derived from settings and the environment."""

@@ -2,7 +2,8 @@
 
 Each call validates its inputs, then looks its kernel up in a per-process dict keyed by
 (op, device, D_qk, heads, layout); only the first call of a key goes to the loader, which is
-imported then (``import dsa_aot`` imports it ahead when torch is loaded, see the package).
+imported then, with pydantic and the record models (or ahead by ``dsa_aot.preload()``). This
+module itself imports neither.
 
 The ops ``torch.ops.dsa_aot.sparse_mla_fwd`` / ``sparse_mla_bwd`` are defined here with
 ``torch.library.Library``: a schema, one kernel for every device, a shape-only ``Meta`` kernel
@@ -18,6 +19,8 @@ import threading
 import torch
 
 from dsa_aot import settings as _settings
+from dsa_aot.errors import UnsupportedDeviceError
+from dsa_aot.specs.shapes import arch_of_capability
 from dsa_aot.validate import check_bwd, check_fwd
 
 _KERNELS: dict[tuple, object] = {}
@@ -67,7 +70,7 @@ def _kernel(op: str, device: torch.device, d_qk: int, heads: int, layout: str,
 
                 kernel = ReferenceBackend.kernel(op)
             else:
-                from dsa_aot.loader import UnsupportedDeviceError, arch_of_capability, get_loader
+                from dsa_aot.loader import get_loader
 
                 index = device.index if device.index is not None else torch.cuda.current_device()
                 major, minor = torch.cuda.get_device_capability(index)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from dsa_aot.specs.models import D_V, SUPPORTED_D_QK, SUPPORTED_HEADS
+from dsa_aot.specs.shapes import D_V, SUPPORTED_D_QK, SUPPORTED_HEADS
 
 
 _INT32_LIMIT = 2**31

@@ -8,23 +8,14 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from dsa_aot.specs.shapes import (ARCH_OF_CAPABILITY, D_V, SUPPORTED_D_QK,  # noqa: F401  (re-exported)
+                                  SUPPORTED_HEADS, arch_of_capability)
+
 Op = Literal["fwd", "bwd"]
 Arch = Literal["sm_90a", "sm_100a"]
 Layout = Literal["compact", "noncompact"]
 #: A backend name: a subpackage of ``dsa_aot.backends`` (checked when a spec is made).
 Backend = Annotated[str, AfterValidator(lambda name: _known_backend(name))]
-
-#: Value head dimension: V = kv[:, :D_V] for every variant (DeepSeek MLA).
-D_V = 512
-SUPPORTED_D_QK = (512, 576)
-SUPPORTED_HEADS = (16, 32, 64, 128)
-#: The arch kernels are built for, per GPU compute capability.
-ARCH_OF_CAPABILITY: dict[tuple[int, int], str] = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
-
-
-def arch_of_capability(major: int, minor: int) -> str | None:
-    """The arch of a GPU of compute capability ``major.minor`` (None: no kernels for it)."""
-    return ARCH_OF_CAPABILITY.get((major, minor))
 
 
 def _known_backend(name: str) -> str:

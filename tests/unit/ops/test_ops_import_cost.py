@@ -1,8 +1,9 @@
 """What ``import dsa_aot`` and the API module load, checked exactly in fresh processes.
 
-No wall-clock floors here: ``bench/bench_startup.py --import-only`` measures the time. These
-tests pin the structure the time depends on: no compiler is imported, the API module leaves the
-loader to the first call, the torch.library ops are defined without reading source code (what
+No wall-clock floors here: ``bench/bench_startup.py --import-only`` and ``--first-call-cpu``
+measure the time. These tests pin the structure the time depends on: no compiler is imported,
+neither pydantic nor the loader is imported before the first kernel lookup (or
+``dsa_aot.preload()``), the torch.library ops are defined without reading source code (what
 made ``torch.library.custom_op`` cost milliseconds, more with every module loaded), and the
 first input check imports nothing.
 """
@@ -10,6 +11,7 @@ first input check imports nothing.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -24,10 +26,10 @@ SCHEMAS = {
 }
 
 
-def _child(code: str) -> dict:
+def _child(code: str, env: dict[str, str] | None = None) -> dict:
     """Run ``code`` in a fresh interpreter; it prints one JSON line last."""
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -103,3 +105,37 @@ def test_first_input_check_imports_nothing():
         print(json.dumps(sorted(set(sys.modules) - before)))
     """)
     assert got == []
+
+
+def test_import_after_torch_leaves_pydantic_and_the_loader_to_the_first_lookup():
+    got = _child("""
+        import json, sys
+        import torch
+        import dsa_aot
+        print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "pydantic" or m.startswith((
+            "dsa_aot.loader", "dsa_aot.cache", "dsa_aot.backends", "dsa_aot.artifact", "dsa_aot.specs.models")))))
+    """)
+    assert got == []
+
+
+def test_preload_imports_the_loader_and_every_ranked_backends_load_code_without_a_compiler_or_cuda(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSA_AOT_")}
+    env["DSA_AOT_CACHE_DIR"] = str(tmp_path / "cache")
+    got = _child("""
+        import json, sys
+        import torch
+        import dsa_aot
+        dsa_aot.preload()
+        from dsa_aot.backends import BACKENDS
+        from dsa_aot.loader import get_loader
+        loader = get_loader()
+        wanted = {BACKENDS[n].runtime_module for op in ("fwd", "bwd") for n in loader.ranking(op)}
+        print(json.dumps({"missing": sorted(m for m in wanted | {"pydantic", "dsa_aot.loader"} if m not in sys.modules),
+                          "ranked": len(wanted), "toolchain": loader._toolchain is not None,
+                          "compilers": sorted(m for m in sys.modules if m.split(".")[0] in %r),
+                          "cuda": torch.cuda.is_initialized()}))
+    """ % (COMPILERS,), env)
+    assert got["missing"] == [] and got["ranked"] >= 1
+    assert got["toolchain"]
+    assert got["compilers"] == []
+    assert got["cuda"] is False
