@@ -598,8 +598,8 @@ class SparseMlaBwdMain:
                 cute.arch.barrier()  # the previous row's MMAs no longer read q / dout / lse
 
             # ---- q, dout -> shared (cp.async), lse/delta -> shared ----------------------------
-                self.load_row(t, hb, m_q, m_do, m_lse, m_delta, s_q, s_do, s_lse, s_delta, thr_copy,
-                              gmem_copy, row_in_pass, tidx)
+            self.load_row(t, hb, m_q, m_do, m_lse, m_delta, s_q, s_do, s_lse, s_delta, thr_copy,
+                          gmem_copy, row_in_pass, tidx)
             acc_dq.fill(0.0)
 
             # ---- prologue: block 0 in flight -----------------------------------------------
