@@ -948,9 +948,16 @@ def compile_bwd_main(arch: str, d_qk: int, heads: int, layout: str, atomic_width
                      deterministic: bool = False) -> tuple[object, dict[str, object]]:
     """``cute.compile`` the kernel for ``arch`` (``CUTE_DSL_ARCH=<arch>`` set before import).
 
-    ``impl="wgmma"`` (sm_90a only) selects the warpgroup-MMA flavour. Returns the compiled
-    function and the fake arguments it was compiled with.
+    ``impl="wgmma"`` (sm_90a only) selects the warpgroup-MMA flavour, ``impl="wgmma_slot_major"``
+    (sm_90a, H 16 / 32) the slot-major kernel of :mod:`.cutedsl_bwd_slot_major`. Returns the
+    compiled function and the fake arguments it was compiled with.
     """
+    if impl == "wgmma_slot_major":
+        from dsa_aot.kernels.cutedsl_bwd_slot_major import compile_bwd_slot_major
+
+        return compile_bwd_slot_major(arch, d_qk, heads, layout, atomic_width=atomic_width,
+                                      scatter=scatter, extra_options=extra_options,
+                                      deterministic=deterministic)
     if impl == "wgmma" and arch != "sm_90a":
         raise ValueError(f"impl='wgmma' needs sm_90a, not {arch}; use impl='mma'")
     fakes = fake_arguments(d_qk, heads, layout, deterministic)

@@ -44,8 +44,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from dsa_aot import settings
 from dsa_aot.backends.cutedsl.records import (
-    BWD_MAIN_DEFAULT_IMPL, DSL_RUNTIME_LIB, FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES, RECORD_FILE, WORKER_MODULE, _DSL_STATIC_SHIMS,
-    Arch, CuteBuildError, CuteExportRecord, CuteKernel, CuteSymbols, FwdImpl, FwdLayout, LinkMode,
+    BWD_MAIN_DEFAULT_IMPL, BWD_SLOT_MAJOR_HEADS, DSL_RUNTIME_LIB, FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES, RECORD_FILE, WORKER_MODULE, _DSL_STATIC_SHIMS,
+    Arch, BwdMainImpl, CuteBuildError, CuteExportRecord, CuteKernel, CuteSymbols, FwdImpl, FwdLayout, LinkMode,
     RuntimeLibRecord, ScalarArgRecord, StreamArgRecord, TensorArgRecord, sha256_file)
 from dsa_aot.toolkit import toolkit_root
 
@@ -72,7 +72,7 @@ class BuildRequest(BaseModel):
     heads: Literal[16, 32, 64, 128] | None = None
     layout: FwdLayout | None = None
     kv_stages: Literal[1, 2] | None = None
-    impl: FwdImpl | None = None
+    impl: FwdImpl | BwdMainImpl | None = None
     deterministic: bool = Field(False, description="backward stages: the deterministic variant "
                                 "(per-CTA shards and partial sums folded in a fixed order)")
 
@@ -82,7 +82,8 @@ class BuildRequest(BaseModel):
         if self.deterministic and self.kernel == "fwd":
             raise ValueError("deterministic applies to the backward stages only")
         if self.deterministic and self.kernel == "bwd_main" and self.impl not in (None, "wgmma"):
-            raise ValueError(f"the deterministic bwd_main is the wgmma flavour, not {self.impl}")
+            raise ValueError(f"the deterministic bwd_main is the wgmma flavour, not {self.impl} "
+                             "(use impl=wgmma or leave it unset)")
         if self.deterministic and self.arch != "sm_90a":
             raise ValueError(f"the deterministic backward is built for sm_90a, not {self.arch}")
         if self.kernel == "fwd":
@@ -91,6 +92,8 @@ class BuildRequest(BaseModel):
                                  f"d_qk={self.d_qk}, heads={self.heads}, layout={self.layout}")
             if self.use_isfinite is not None:
                 raise ValueError("use_isfinite applies to bwd_preprocess only")
+            if self.impl == "wgmma_slot_major":
+                raise ValueError("impl=wgmma_slot_major is a bwd_main flavour, not a fwd one")
             if self.impl in ("wgmma", "wgmma_pipe", "wgmma_ws", "wgmma_split") and self.arch != "sm_90a":
                 raise ValueError(f"impl={self.impl} needs sm_90a, not {self.arch}; use impl=mma")
             if self.impl in ("wgmma_pipe", "wgmma_ws", "wgmma_split") and self.kv_stages == 1:
@@ -101,10 +104,14 @@ class BuildRequest(BaseModel):
                                  f"d_qk={self.d_qk}, heads={self.heads}, layout={self.layout}")
             if (self.use_isfinite, self.kv_stages) != (None, None):
                 raise ValueError("use_isfinite/kv_stages do not apply to kernel=bwd_main")
-            if self.impl not in (None, "mma", "wgmma"):
-                raise ValueError(f"kernel=bwd_main has impl mma or wgmma, not {self.impl}")
-            if self.impl == "wgmma" and self.arch != "sm_90a":
-                raise ValueError(f"impl=wgmma needs sm_90a, not {self.arch}; use impl=mma")
+            if self.impl not in (None, "mma", "wgmma", "wgmma_slot_major"):
+                raise ValueError(f"kernel=bwd_main has impl mma or wgmma or wgmma_slot_major, "
+                                 f"not {self.impl}")
+            if self.impl in ("wgmma", "wgmma_slot_major") and self.arch != "sm_90a":
+                raise ValueError(f"impl={self.impl} needs sm_90a, not {self.arch}; use impl=mma")
+            if self.impl == "wgmma_slot_major" and self.heads not in BWD_SLOT_MAJOR_HEADS:
+                raise ValueError(f"impl=wgmma_slot_major supports heads {BWD_SLOT_MAJOR_HEADS}, "
+                                 f"not heads={self.heads}; use impl=wgmma (or leave impl unset)")
         elif fwd != (None, None, None) or self.kv_stages is not None or self.impl is not None:
             raise ValueError(f"d_qk/heads/layout/kv_stages/impl apply to kernel=fwd only, not "
                              f"{self.kernel}")
@@ -144,7 +151,7 @@ KERNELS: dict[str, tuple[str, str]] = {
 }
 #: MMA flavours a spec's ``tile.flavour`` may name, per stage that has them.
 FLAVOURS: dict[str, tuple[str, ...]] = {"fwd": ("mma", "wgmma", "wgmma_pipe", "wgmma_ws", "wgmma_split"),
-                                        "bwd_main": ("mma", "wgmma")}
+                                        "bwd_main": ("mma", "wgmma", "wgmma_slot_major")}
 
 
 def requests_for(spec: "KernelSpec", stages: tuple[str, ...], *, link: LinkMode = "static_cudart",

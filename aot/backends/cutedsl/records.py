@@ -16,6 +16,11 @@ Arch = Literal["sm_90a", "sm_100a"]
 CuteKernel = Literal["bwd_preprocess", "bwd_postprocess", "fwd", "bwd_main"]
 FwdLayout = Literal["compact", "noncompact"]
 FwdImpl = Literal["mma", "wgmma", "wgmma_pipe", "wgmma_ws", "wgmma_split"]
+#: The backward main stage's MMA flavours: mma.sync (any arch), wgmma (sm_90a) and the
+#: slot-major wgmma kernel for few heads (sm_90a, heads in :data:`BWD_SLOT_MAJOR_HEADS`).
+BwdMainImpl = Literal["mma", "wgmma", "wgmma_slot_major"]
+#: Head counts of ``impl=wgmma_slot_major`` (``dsa_aot.kernels.cutedsl_bwd_slot_major.HEADS``).
+BWD_SLOT_MAJOR_HEADS: tuple[int, ...] = (16, 32)
 #: The forward's MMA flavour per arch when a request names none (wgmma needs sm_90a).
 FWD_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma_split", "sm_100a": "mma"}
 #: The backward main stage's MMA flavour per arch when a request names none: wgmma on sm_90a
@@ -145,8 +150,9 @@ class CuteExportRecord(BaseModel):
     heads: int | None = Field(None, description="fwd: number of query heads")
     layout: FwdLayout | None = Field(None, description="fwd: topk_length given (compact) or not")
     kv_stages: int | None = Field(None, description="fwd: gathered KV tiles in flight (1 or 2)")
-    impl: FwdImpl | None = Field(None, description="fwd: mma.sync (any arch), wgmma, "
-                                 "wgmma_pipe, wgmma_ws or wgmma_split (sm_90a)")
+    impl: FwdImpl | BwdMainImpl | None = Field(
+        None, description="fwd: mma.sync (any arch), wgmma, wgmma_pipe, wgmma_ws or wgmma_split "
+        "(sm_90a); bwd_main: mma, wgmma or wgmma_slot_major (sm_90a)")
     deterministic: bool = Field(False, description="backward: the deterministic variant (dkv_acc "
                                 "[shards, s_kv, D], d_sink_acc [parts, H], folded in order)")
     dsl_version: str

@@ -1,0 +1,296 @@
+"""The slot-major CuTe DSL backward main kernel (``impl=wgmma_slot_major``, sm_90a, H 16 / 32) on CPU.
+
+Every (D 512 / 576) x (H 16 / 32) x (compact / noncompact) variant compiles, exports and links
+for sm_90a through :func:`dsa_aot.backends.cutedsl.build.build_cutedsl`; its record and C ABI
+equal the ``wgmma`` flavour's (same arguments, same descriptors), a fresh process opens it
+without ``cutlass``, and the embedded cubin spills nothing (no local memory) within 255
+registers. The shared-memory views the kernel reads as MN-major operands alias its K-major
+tiles byte for byte, and one CTA's shared memory fits the 227 KiB of an sm_90a CTA. Requests,
+specs and the kernel refuse other archs, other head counts and the deterministic mode by name;
+a ``tile.flavour = "wgmma_slot_major"`` bwd spec builds through the production path. Numerics:
+``tests/test_cutedsl_bwd_main.py -m gpu`` style GPU runs (not here).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import embedded_cubin
+from dsa_aot.backends import get as get_backend
+from dsa_aot.backends.cutedsl.build import BuildRequest, build_cutedsl, requests_for
+from dsa_aot.backends.cutedsl.records import BWD_SLOT_MAJOR_HEADS, CuteExportRecord
+from dsa_aot.identity import can_key_builds
+from dsa_aot.specs.catalog import Catalog
+from dsa_aot.specs.models import KernelSpec, TileConfig
+from dsa_aot.specs.toolchain import Toolchain
+
+IMPL = "wgmma_slot_major"
+BWD_STAGES = ("bwd_preprocess", "bwd_main", "bwd_postprocess")
+
+try:
+    _HAS_DSL = importlib.util.find_spec("cutlass") is not None
+except (ImportError, ValueError):  # pragma: no cover
+    _HAS_DSL = False
+_needs_dsl = pytest.mark.skipif(not _HAS_DSL, reason="needs nvidia-cutlass-dsl to compile")
+
+#: (d_qk, heads, layout) of every slot-major variant
+VARIANTS = [(d, h, lay) for d in (512, 576) for h in BWD_SLOT_MAJOR_HEADS
+            for lay in ("compact", "noncompact")]
+#: wgmma builds whose records the slot-major ones must equal
+WGMMA_TWINS = [(576, 32, "compact"), (512, 16, "noncompact")]
+SMEM_LIMIT = 227 * 1024
+MAX_REGS = 255
+
+
+def _spec(heads: int = 16, arch: str = "sm_90a", flavour: str | None = IMPL, d_qk: int = 576,
+          layout: str = "compact", **extra: object) -> KernelSpec:
+    return KernelSpec(op="bwd", arch=arch, d_qk=d_qk, heads=heads, layout=layout,
+                      backend="cutedsl", tile=TileConfig(flavour=flavour), **extra)
+
+
+def _request(d_qk: int, heads: int, layout: str, flavour: str = IMPL) -> BuildRequest:
+    (request,) = requests_for(_spec(heads, flavour=flavour, d_qk=d_qk, layout=layout),
+                              ("bwd_main",), link="static_cudart")
+    return request
+
+
+def _name(d_qk: int, heads: int, layout: str) -> str:
+    return f"cutedsl_bwd_main_sm_90a_d{d_qk}_h{heads}_{layout}_{IMPL}_static"
+
+
+# --------------------------------------------------------------------------------------------
+# Requests and specs (no compiler needed)
+# --------------------------------------------------------------------------------------------
+
+def test_flavour_becomes_the_main_stage_impl_and_names_the_artifact() -> None:
+    pre, main, post = requests_for(_spec(32), BWD_STAGES)
+    assert (main.impl, main.compile_params) == (IMPL, {"d_qk": 576, "heads": 32,
+                                                       "layout": "compact", "impl": IMPL})
+    assert (pre.impl, post.impl) == (None, None)
+    get_backend("cutedsl").check_spec(_spec(16))
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    ({"arch": "sm_100a"}, "impl=wgmma_slot_major needs sm_90a, not sm_100a"),
+    ({"heads": 64}, r"impl=wgmma_slot_major supports heads \(16, 32\), not heads=64; use impl=wgmma"),
+    ({"heads": 128}, r"supports heads \(16, 32\), not heads=128"),
+    ({"deterministic": True}, "deterministic bwd_main is the wgmma flavour, not wgmma_slot_major"),
+])
+def test_what_the_flavour_cannot_build_is_refused(kwargs: dict, fragment: str) -> None:
+    spec = _spec(**kwargs)
+    with pytest.raises(ValueError, match=f"tile.flavour='{IMPL}' cannot be honoured.*{fragment}"):
+        requests_for(spec, BWD_STAGES)
+    with pytest.raises(ValueError, match=fragment):
+        get_backend("cutedsl").check_spec(spec)
+    request = dict(kernel="bwd_main", arch=kwargs.get("arch", "sm_90a"), d_qk=576,
+                   heads=kwargs.get("heads", 16), layout="compact", impl=IMPL,
+                   deterministic=kwargs.get("deterministic", False))
+    with pytest.raises(ValueError, match=fragment):
+        BuildRequest(**request)
+
+
+def test_not_a_forward_flavour() -> None:
+    with pytest.raises(ValueError, match="wgmma_slot_major is a bwd_main flavour"):
+        BuildRequest(kernel="fwd", arch="sm_90a", d_qk=576, heads=16, layout="compact", impl=IMPL)
+    with pytest.raises(ValueError, match=f"tile.flavour='{IMPL}' is not a cutedsl fwd flavour"):
+        requests_for(KernelSpec(op="fwd", arch="sm_90a", d_qk=576, heads=16, layout="compact",
+                                backend="cutedsl", tile=TileConfig(flavour=IMPL)), ("fwd",))
+
+
+def test_catalog_expands_a_slot_major_block() -> None:
+    block = {"ops": ["bwd"], "archs": ["sm_90a"], "d_qk": [512, 576], "heads": [16, 32],
+             "layouts": ["compact"], "backends": ["cutedsl"], "tile": {"flavour": IMPL}}
+    specs = Catalog.model_validate({"matrix": [block]}).specs()
+    assert sorted((s.d_qk, s.heads, s.tile.flavour) for s in specs) == [
+        (d, h, IMPL) for d in (512, 576) for h in (16, 32)]
+    with pytest.raises(ValueError, match="not heads=64"):
+        Catalog.model_validate({"matrix": [{**block, "heads": [64]}]}).specs()
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel module (compiler needed)
+# --------------------------------------------------------------------------------------------
+
+_KERNEL_CHECKS = """
+from dsa_aot.backends.cutedsl.records import BWD_SLOT_MAJOR_HEADS
+from dsa_aot.kernels import cutedsl_bwd_slot_major as k
+from dsa_aot.kernels.cutedsl_bwd_main import compile_bwd_main
+assert k.HEADS == BWD_SLOT_MAJOR_HEADS, (k.HEADS, BWD_SLOT_MAJOR_HEADS)
+assert k.can_implement(576, 16, 'compact') and k.can_implement(512, 32, 'noncompact')
+assert not k.can_implement(576, 64, 'compact') and not k.can_implement(448, 16, 'compact')
+for args, kw in [(('sm_100a', 576, 16, 'compact'), {}), (('sm_90a', 576, 64, 'compact'), {}),
+                 (('sm_90a', 576, 128, 'noncompact'), {}),
+                 (('sm_90a', 576, 16, 'compact'), {'deterministic': True})]:
+    try:
+        compile_bwd_main(*args, impl='wgmma_slot_major', **kw)
+    except ValueError as e:
+        print('refused', e)
+    else:
+        raise SystemExit('compiled %r %r' % (args, kw))
+"""
+
+
+@_needs_dsl
+def test_kernel_refuses_what_it_cannot_build() -> None:
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
+    proc = subprocess.run([sys.executable, "-c", _KERNEL_CHECKS], capture_output=True, text=True,
+                          env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 4, proc.stdout
+    assert "needs sm_90a, not sm_100a" in lines[0]
+    assert "heads=64" in lines[1] and "supports heads (16, 32)" in lines[1]
+    assert "heads=128" in lines[2]
+    assert "deterministic=True is implemented by impl='wgmma'" in lines[3]
+
+
+_VIEW_CHECK = """
+import cutlass.cute as cute
+from dsa_aot.kernels import cutedsl_bwd_slot_major as k
+
+def differ(tile, view, rows, cols):
+    return sum(1 for r in range(rows) for c in range(cols) if tile((r, c)) != view((c, r)))
+
+@cute.jit
+def check():
+    for d in (512, 576):
+        for h in k.HEADS:
+            lay = k.slot_major_smem_layouts(d, h)
+            assert len({str(v.inner) for v in lay.values()}) == 1
+            print("q", d, h, differ(lay["q"].outer, lay["q_t"].outer, h, d))
+            print("ds", d, h, differ(lay["ds"].outer, lay["ds_t"].outer, h, k.SLOTS))
+            print("kv", d, h, differ(lay["kv"].outer, lay["kv_t"].outer, k.SLOTS, d))
+            print("dout", d, h, differ(lay["dout"].outer, lay["dout_t"].outer, h, 512))
+            _, storage = k.shared_storage(d, h)
+            print("smem", d, h, storage.size_in_bytes())
+
+check()
+"""
+
+
+@_needs_dsl
+def test_operand_views_alias_the_tiles_and_shared_memory_fits(tmp_path: Path) -> None:
+    """The MN-major views (``q_t``, ``dout_t``, ``kv_t``, ``ds_t``) address exactly the K-major
+    tiles' elements, under one swizzle; one CTA's shared memory (plus the 1 KiB the compiler
+    reserves) fits an sm_90a CTA."""
+    script = tmp_path / "views.py"
+    script.write_text(_VIEW_CHECK)
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split() for line in proc.stdout.splitlines()]
+    counts = [line for line in lines if line[0] in ("q", "ds", "kv", "dout")]
+    assert len(counts) == 16 and all(line[-1] == "0" for line in counts), proc.stdout
+    smem = {(int(line[1]), int(line[2])): int(line[3]) for line in lines if line[0] == "smem"}
+    assert len(smem) == 4 and max(smem.values()) + 1024 <= SMEM_LIMIT, smem
+    assert smem[(576, 32)] == max(smem.values())
+
+
+def _kernel_resources(cubin: bytes) -> dict[str, int]:
+    """REGCOUNT (0x2f) and FRAME_SIZE (0x11) of the cubin's one kernel (``.nv.info`` sections)."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names_at = heads[shstrndx][4]
+    found: dict[str, int] = {}
+    for name, _, _, _, off, size, *_ in heads:
+        sec = cubin[names_at + name:cubin.index(b"\0", names_at + name)].decode()
+        if not sec.startswith(".nv.info"):
+            continue
+        pos = off
+        while pos < off + size:
+            fmt, attr = cubin[pos], cubin[pos + 1]
+            length = struct.unpack_from("<H", cubin, pos + 2)[0] if fmt == 4 else 0
+            payload = cubin[pos + 4:pos + 4 + length]
+            pos += 4 + length
+            if attr in (0x2f, 0x11):
+                found["regs" if attr == 0x2f else "frame"] = struct.unpack_from("<II", payload)[1]
+    return found
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, CuteExportRecord]]:
+    if not _HAS_DSL:
+        pytest.skip("needs nvidia-cutlass-dsl to compile")
+    out = tmp_path_factory.mktemp("slot_major")
+    requests = ([_request(*v) for v in VARIANTS]
+                + [_request(*v, flavour="wgmma") for v in WGMMA_TWINS])
+    return out, {r.name: r for r in build_cutedsl(requests, out)}
+
+
+@_needs_dsl
+def test_every_variant_builds_with_the_wgmma_abi(built: tuple[Path, dict[str, CuteExportRecord]]) -> None:
+    out, records = built
+    for d_qk, heads, layout in VARIANTS:
+        rec = records[_name(d_qk, heads, layout)]
+        assert (rec.kernel, rec.arch, rec.d_qk, rec.heads, rec.layout, rec.impl) == (
+            "bwd_main", "sm_90a", d_qk, heads, layout, IMPL)
+        assert not rec.deterministic and rec.kv_stages is None
+        tensors = (["q", "kv", "dout", "topk_idxs"] + (["topk_length"] if layout == "compact" else [])
+                   + ["lse_sink", "delta", "dq", "dkv_acc"])
+        assert [a.name for a in rec.args] == tensors + ["softmax_scale", "stream"]
+        header = (out / rec.name / rec.header).read_text()
+        assert f"void *args[{len(rec.args) + 1}] = {{" in header
+    for d_qk, heads, layout in WGMMA_TWINS:
+        twin = records[f"cutedsl_bwd_main_sm_90a_d{d_qk}_h{heads}_{layout}_static"]
+        assert twin.impl == "wgmma"
+        assert records[_name(d_qk, heads, layout)].args == twin.args
+
+
+@_needs_dsl
+def test_cubins_spill_nothing(built: tuple[Path, dict[str, CuteExportRecord]]) -> None:
+    """No local memory (spills) and at most 255 registers a thread (256 threads a CTA)."""
+    out, records = built
+    for d_qk, heads, layout in VARIANTS:
+        rec = records[_name(d_qk, heads, layout)]
+        found = _kernel_resources(embedded_cubin((out / rec.name / rec.object_file).read_bytes()))
+        assert found.get("frame") == 0 and 0 < found.get("regs", 0) <= MAX_REGS, (rec.name, found)
+
+
+@_needs_dsl
+def test_libraries_open_without_cutlass(built: tuple[Path, dict[str, CuteExportRecord]]) -> None:
+    out, records = built
+    folders = [str(out / _name(*v)) for v in VARIANTS]
+    code = ("import sys\nfrom dsa_aot.backends.cutedsl.runtime import load_kernel\n"
+            "for folder in sys.argv[1:]:\n"
+            "    k = load_kernel(folder)\n    print(','.join(k.tensor_names + k.scalar_names))\n"
+            "assert 'cutlass' not in sys.modules and 'torch' not in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code, *folders], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.split()) == len(VARIANTS)
+
+
+_CANNOT_BUILD = can_key_builds(get_backend("cutedsl"), Toolchain.current())
+
+
+@pytest.mark.skipif(_CANNOT_BUILD is not None, reason=f"cannot build: {_CANNOT_BUILD}")
+def test_flavoured_bwd_spec_builds_through_the_backend(tmp_path: Path) -> None:
+    """A real sm_90a build of a cutedsl backward whose tile names the slot-major flavour: the
+    published manifest's main-stage record shows it; the other stages are the usual ones."""
+    from dsa_aot.artifact import ArtifactManifest
+    from dsa_aot.build import build_and_publish
+    from dsa_aot.cache.store import ArtifactStore
+
+    spec = _spec(16, layout="noncompact")
+    store = ArtifactStore(tmp_path / "store")
+    done = build_and_publish(store, spec, Toolchain.current())
+    assert done.status == "built", done
+    entry = store.lookup(done.manifest.key, spec.arch, spec.id)
+    assert entry is not None and store.verify(entry) == []
+    manifest = ArtifactManifest.model_validate(entry.meta.payload)
+    assert manifest.spec == spec and manifest.spec.tile.flavour == IMPL
+    records = {st.name: CuteExportRecord.model_validate(st.record) for st in manifest.stages}
+    assert sorted(records) == sorted(BWD_STAGES)
+    main = records["bwd_main"]
+    assert (main.impl, main.heads, main.layout) == (IMPL, 16, "noncompact")
+    assert main.name == "cutedsl_bwd_main_sm_90a_d576_h16_noncompact_wgmma_slot_major_static"
+    assert records["bwd_preprocess"].impl is None and records["bwd_postprocess"].impl is None
