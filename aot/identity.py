@@ -66,7 +66,7 @@ def build_identity(backend: KernelBackend, spec: KernelSpec, toolchain: Toolchai
 
 def runtime_identity(backend: KernelBackend, spec: KernelSpec) -> RuntimeIdentity:
     """What a process must match to load ``spec``'s artifact without compilers."""
-    kernels = tuple(dict.fromkeys(backend.kernel_modules[s] for s in backend.stages[spec.op]))
+    kernels = backend.kernel_sources(spec)
     return RuntimeIdentity(backend=backend.name, arch=spec.arch, host=host_tag(),
                            runtime_sha256=sources_sha256(module_sources([backend.runtime_module])),
                            kernel_sha256=sources_sha256(module_sources(kernels)))

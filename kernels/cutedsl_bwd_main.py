@@ -4,7 +4,8 @@ Arguments, in call order (the TileLang main stage's names): ``q`` [s_q, H, D_qk]
 [s_kv, D_qk] bf16, ``dout`` [s_q, H, 512] bf16, ``topk_idxs`` [s_q, K] int32, ``topk_length``
 [s_q] int32 (compact layout only), ``lse_sink`` [s_q, H] fp32 (natural-log ``logaddexp(lse,
 sink)``, +inf for an empty row), ``delta`` [s_q, H] fp32, ``dq`` [s_q, H, D_qk] bf16 (written),
-``dkv_acc`` [s_kv, D_qk] fp32 (zeroed by the caller, accumulated with atomics), the run-time
+``dkv_acc`` [s_kv, D_qk] fp32 (zeroed by the caller, accumulated with atomics; columns in the
+interleaved order of :mod:`dsa_aot.kernels.dkv_interleave`, which the postprocess undoes), the run-time
 scalar ``softmax_scale`` and the stream. ``D_qk`` (512 or 576), ``H`` (16, 32, 64, 128) and the
 layout are compile-time; ``s_q``, ``s_kv`` and ``K`` are run-time (any ``K >= 1``).
 
@@ -28,9 +29,12 @@ Design (tensor cores through the SM80 warp-level MMA, one source for sm_90a and 
 * epilogue: ``dq`` in bf16 (0 for a row without a valid slot).
 
 Shared memory: ``q``, ``dout``, one KV tile, ``P``, ``dS`` and the slot indices, about 226 KiB for
-``D_qk = 576``, hence one CTA per SM. The dkv atomics are 4-wide (``red.global.add.v4.f32``;
-neighbouring lanes swap halves so each holds 4 adjacent columns of one row); ``atomic_width``
-selects 2- or 1-wide ones instead.
+``D_qk = 576``, hence one CTA per SM. The dkv atomics are 4-wide (``red.global.add.v4.f32``) into
+the interleaved column order: with the wgmma flavour, lanes of neighbouring quads trade half
+their values so that each atomic instruction adds whole 128-byte lines of 4 rows (one L2
+request per row; natural order needs four 32-byte ones, which made the L2 the bottleneck:
+453 M red requests against 113 M for the cuDNN frontend's kernel at S_q 2048, H 64, D 576,
+K 2048); the ``mma`` flavour adds value pairs. ``atomic_width`` selects 2- or 1-wide ones.
 
 Measured on an H200 (S_q 4096, S_kv 8192, K 2048, H 64, D_qk 576): 11.4 ms (2-wide atomics
 11.2 ms, 1-wide 18.9 ms); without the dKV GEMMs and their atomics 5.5 ms. ``scatter=False``
@@ -62,6 +66,7 @@ from dsa_aot.kernels import cutedsl_common as common
 from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, HEAD_CHOICES, LAYOUTS, VEC,
                                             acc_rows_cols, fake_tensor, run_time_sizes,
                                             vec_stride, wg_rows_cols)
+from dsa_aot.kernels.dkv_interleave import dkv_acc_column
 
 #: Heads per CTA (MMA M of the score GEMMs) and top-k slots per block.
 BLOCK_H = 64
@@ -386,17 +391,9 @@ class SparseMlaBwdMain:
             # dKV = dS^T Q + P^T dO, 64 columns at a time, atomically added at valid slots
             cute.copy(copy_at, t_s_dst_a, r_dst_v)
             cute.copy(copy_at, t_s_pt_a, r_pt_v)
-            if cutlass.const_expr(self.atomic_width == 4):
-                # lanes 2i and 2i+1 swap halves so each holds 4 adjacent columns of one row:
-                # the even lane row r0, the odd lane row r0 + 8
-                odd = lane % 2
-                my_n = coords[0, 0][0] + (coords[1, 0][0] - coords[0, 0][0]) * odd
-                row_ok = [s_valid[buf + my_n]]
-                row_ptr = [m_dkv.iterator + Int64(s_idx[buf + my_n]) * m_dkv.stride[0]]
-            else:
-                row_ok = [s_valid[buf + coords[r, 0][0]] for r in range(rows_per_thread)]
-                row_ptr = [m_dkv.iterator + Int64(s_idx[buf + coords[r, 0][0]]) * m_dkv.stride[0]
-                           for r in range(rows_per_thread)]
+            slots = self.dkv_slots(buf, coords, lane)
+            row_ok = [s_valid[s] for s in slots]
+            row_ptr = [m_dkv.iterator + Int64(s_idx[s]) * m_dkv.stride[0] for s in slots]
             for c in cutlass.range_constexpr(n_dq_chunks):
                 acc_kv = cute.make_rmem_tensor(acc_shape, Float32)
                 acc_kv.fill(0.0)
@@ -659,12 +656,7 @@ class SparseMlaBwdMain:
                 for k in cutlass.range_constexpr(BLOCK_N // 16):
                     cute.gemm(mma_dq, acc_dq, r_ds[None, None, k], r_kt[None, None, k], acc_dq)
                 warpgroup.commit_group()
-                if cutlass.const_expr(self.atomic_width == 4):
-                    odd = lane % 2
-                    my_n = kv_coords[0, 0][0] + (kv_coords[1, 0][0] - kv_coords[0, 0][0]) * odd
-                    slots = [buf + my_n]
-                else:
-                    slots = [buf + kv_coords[r, 0][0] for r in range(rows_per_thread)]
+                slots = self.dkv_slots(buf, kv_coords, lane)
                 row_ok = [s_valid[s] for s in slots]
                 row_ptr = [dkv_base + Int64(s_idx[s]) * dkv_row_stride for s in slots]
                 ranks = []
@@ -756,11 +748,38 @@ class SparseMlaBwdMain:
                 again = [self.flag(Int32(1), rk, phase) for rk in ranks]
                 self.scatter_chunk(acc, coords, again, row_ptr, col0, lane, limit)
 
+    def dkv_slots(self, base: Int32, coords: cute.Tensor, lane: Int32) -> list:
+        """The slots (``base`` + accumulator row) whose ``dkv_acc`` rows this thread's
+        :meth:`scatter_chunk` adds to, in the order it expects its ``row_ok`` / ``row_ptr``.
+
+        Warpgroup flavours with 4-wide atomics: the lower and upper row of this lane's quad pair
+        for each of its two fragment rows (``[A0, B0, A1, B1]``); otherwise this lane's own rows.
+        """
+        rows = cute.size(coords, mode=[0])
+        if cutlass.const_expr(self.atomic_width == 4 and self.impl != "mma"):
+            upper = (lane // 4) % 2
+            found = []
+            for r in range(rows):
+                lower = base + coords[r, 0][0] - upper
+                found += [lower, lower + 1]
+            return found
+        return [base + coords[r, 0][0] for r in range(rows)]
+
     @cute.jit
     def scatter_chunk(self, acc: cute.Tensor, coords: cute.Tensor, row_ok: list, row_ptr: list,
                       col0: Int32, lane: Int32, limit: cutlass.Constexpr = None) -> None:
         """Add one ``(64 slots, N columns)`` dKV accumulator to ``dkv_acc`` at valid slots (and
-        columns below ``limit``, when given).
+        columns below ``limit``, when given), in the interleaved column order of
+        :func:`~dsa_aot.kernels.dkv_interleave.dkv_acc_column`; ``row_ok`` / ``row_ptr`` are
+        per slot of :meth:`dkv_slots`.
+
+        Warpgroup flavours, ``atomic_width=4``: per 32-column group and fragment row, a lane
+        keeps the 4 values of its first two 8-column blocks and trades the other 4 with the
+        lane of the neighbouring quad (``lane ^ 4``, the next or previous row); then one
+        ``red.global.add.v4.f32`` adds the lower row (the lower quad its own values, the upper
+        quad the traded ones: 128 contiguous bytes per row) and one the upper row. The ``mma``
+        flavour (each warp owns 16 of every 32 columns) adds value pairs with ``.v2`` atomics
+        for ``atomic_width`` 2 or 4; ``atomic_width=1`` adds single values.
 
         ``scatter=False`` keeps every instruction but the atomics, behind a run-time test that
         never passes (the dKV GEMMs stay live: a timing ablation of the atomics alone).
@@ -769,30 +788,30 @@ class SparseMlaBwdMain:
         cols = cute.size(acc, mode=[1])
         if cutlass.const_expr(not self.scatter):
             row_ok = [ok // 2 for ok in row_ok]  # the flags are 0 or 1 (the compiler can't tell)
-        if cutlass.const_expr(self.atomic_width == 4):
-            odd = lane % 2
+        if cutlass.const_expr(self.atomic_width == 4 and self.impl != "mma"):
+            upper = (lane // 4) % 2
+            quad_col = 4 * (lane % 4)
+            own = cute.make_rmem_tensor(4, Float32)
+            got = cute.make_rmem_tensor(4, Float32)
             vals = cute.make_rmem_tensor(4, Float32)
-            for jp in cutlass.range_constexpr(cols // 2):
-                # the even lane sends its row-1 pair, the odd lane its row-0 pair
-                send0 = acc[1, 2 * jp] if odd == 0 else acc[0, 2 * jp]
-                send1 = acc[1, 2 * jp + 1] if odd == 0 else acc[0, 2 * jp + 1]
-                got0 = cute.arch.shuffle_sync_bfly(send0, offset=1)
-                got1 = cute.arch.shuffle_sync_bfly(send1, offset=1)
-                vals[0] = acc[0, 2 * jp] if odd == 0 else got0
-                vals[1] = acc[0, 2 * jp + 1] if odd == 0 else got1
-                vals[2] = got0 if odd == 0 else acc[1, 2 * jp]
-                vals[3] = got1 if odd == 0 else acc[1, 2 * jp + 1]
-                if cutlass.const_expr(limit is None):
-                    if row_ok[0] != 0:
-                        col = col0 + coords[0, 2 * jp][1] - 2 * odd
-                        cute.arch.red((row_ptr[0] + col).llvm_ptr, vals.load(), op="add",
-                                      dtype="f32", sem="relaxed", scope="gpu")
-                else:  # columns from ``limit`` on are padding (4-aligned: all or none)
-                    col = col0 + coords[0, 2 * jp][1] - 2 * odd
-                    if (row_ok[0] != 0) & (col < limit):
-                        cute.arch.red((row_ptr[0] + col).llvm_ptr, vals.load(), op="add",
-                                      dtype="f32", sem="relaxed", scope="gpu")
-        elif cutlass.const_expr(self.atomic_width == 2):
+            for r in cutlass.range_constexpr(rows):
+                for g in cutlass.range_constexpr(cols // 8):
+                    for i in cutlass.range_constexpr(4):  # blocks 4g, 4g+1 kept; 4g+2, 4g+3 traded
+                        own[i] = acc[r, 8 * g + i]
+                        got[i] = cute.arch.shuffle_sync_bfly(acc[r, 8 * g + 4 + i], offset=4)
+                    # the group's first column (a multiple of 32) relative to the chunk
+                    group = col0 + coords[r, 8 * g][1] - 2 * (lane % 4)
+                    for side in cutlass.range_constexpr(2):  # 0: the pair's lower row, 1: upper
+                        for i in cutlass.range_constexpr(4):
+                            vals[i] = own[i] if upper == side else got[i]
+                        col = group + quad_col + 16 * (upper ^ side)
+                        ok = row_ok[2 * r + side] != 0
+                        if cutlass.const_expr(limit is not None):  # whole groups are padding
+                            ok = ok & (group < limit)
+                        if ok:
+                            cute.arch.red((row_ptr[2 * r + side] + col).llvm_ptr, vals.load(),
+                                          op="add", dtype="f32", sem="relaxed", scope="gpu")
+        elif cutlass.const_expr(self.atomic_width >= 2):
             vals = cute.make_rmem_tensor(2, Float32)
             for r in cutlass.range_constexpr(rows):
                 if row_ok[r] != 0:
@@ -800,21 +819,23 @@ class SparseMlaBwdMain:
                         vals[0] = acc[r, 2 * jp]
                         vals[1] = acc[r, 2 * jp + 1]
                         col = col0 + coords[r, 2 * jp][1]
+                        dst = row_ptr[r] + dkv_acc_column(col)
                         if cutlass.const_expr(limit is None):
-                            cute.arch.red((row_ptr[r] + col).llvm_ptr, vals.load(), op="add",
-                                          dtype="f32", sem="relaxed", scope="gpu")
+                            cute.arch.red(dst.llvm_ptr, vals.load(), op="add", dtype="f32",
+                                          sem="relaxed", scope="gpu")
                         elif col < limit:
-                            cute.arch.red((row_ptr[r] + col).llvm_ptr, vals.load(), op="add",
-                                          dtype="f32", sem="relaxed", scope="gpu")
+                            cute.arch.red(dst.llvm_ptr, vals.load(), op="add", dtype="f32",
+                                          sem="relaxed", scope="gpu")
         else:
             for r in cutlass.range_constexpr(rows):
                 if row_ok[r] != 0:
                     for j in cutlass.range_constexpr(cols):
                         col = col0 + coords[r, j][1]
+                        dst = row_ptr[r] + dkv_acc_column(col)
                         if cutlass.const_expr(limit is None):
-                            cute.arch.atomic_add((row_ptr[r] + col).llvm_ptr, acc[r, j])
+                            cute.arch.atomic_add(dst.llvm_ptr, acc[r, j])
                         elif col < limit:
-                            cute.arch.atomic_add((row_ptr[r] + col).llvm_ptr, acc[r, j])
+                            cute.arch.atomic_add(dst.llvm_ptr, acc[r, j])
 
     @cute.jit
     def load_row(self, t: Int32, hb: Int32, m_q: cute.Tensor, m_do: cute.Tensor, m_lse: cute.Tensor,
@@ -948,16 +969,13 @@ def compile_bwd_main(arch: str, d_qk: int, heads: int, layout: str, atomic_width
                      deterministic: bool = False) -> tuple[object, dict[str, object]]:
     """``cute.compile`` the kernel for ``arch`` (``CUTE_DSL_ARCH=<arch>`` set before import).
 
-    ``impl="wgmma"`` (sm_90a only) selects the warpgroup-MMA flavour, ``impl="wgmma_slot_major"``
-    (sm_90a, H 16 / 32) the slot-major kernel of :mod:`.cutedsl_bwd_slot_major`. Returns the
-    compiled function and the fake arguments it was compiled with.
+    ``impl="wgmma"`` (sm_90a only) selects the warpgroup-MMA flavour (the slot-major one lives in
+    :mod:`.cutedsl_bwd_slot_major`). Returns the compiled function and the fake arguments it was
+    compiled with.
     """
-    if impl == "wgmma_slot_major":
-        from dsa_aot.kernels.cutedsl_bwd_slot_major import compile_bwd_slot_major
-
-        return compile_bwd_slot_major(arch, d_qk, heads, layout, atomic_width=atomic_width,
-                                      scatter=scatter, extra_options=extra_options,
-                                      deterministic=deterministic)
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: this module builds {IMPLS}; impl='wgmma_slot_major' is "
+                         "dsa_aot.kernels.cutedsl_bwd_slot_major.compile_bwd_slot_major")
     if impl == "wgmma" and arch != "sm_90a":
         raise ValueError(f"impl='wgmma' needs sm_90a, not {arch}; use impl='mma'")
     fakes = fake_arguments(d_qk, heads, layout, deterministic)

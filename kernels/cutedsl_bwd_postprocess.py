@@ -1,6 +1,8 @@
 """CuTe DSL backward postprocess of sparse MLA: ``dkv_acc`` [s_kv, D] fp32 -> ``dkv`` bf16.
 
-Round-to-nearest-even conversion, 8 columns per thread (two 16-byte loads, one 16-byte store).
+Round-to-nearest-even conversion, 8 columns per thread (one 16-byte store). ``dkv_acc`` rows are
+in the main kernel's interleaved column order (:func:`~dsa_aot.kernels.dkv_interleave.dkv_acc_column`):
+a thread's 8 columns are 4 pairs 16 bytes apart.
 ``s_kv`` and ``D`` are run-time sizes (``D`` a multiple of 64, e.g. 512 or 576); columns are
 contiguous, row strides are run-time multiples of 8 elements with 16-byte aligned bases.
 
@@ -19,9 +21,30 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
+from dsa_aot.kernels.dkv_interleave import DKV_GROUP
+
 #: Columns converted by one thread.
 VEC = 8
 THREADS = 128
+
+
+#: Where a thread's 8 natural columns sit, from :func:`interleaved_start`: (pair value, quad lane).
+INTERLEAVED_VEC_SHAPE, INTERLEAVED_VEC_STRIDE = (2, 4), (1, 4)
+
+
+def interleaved_start(vec):
+    """Offset in an interleaved ``dkv_acc`` row of natural column ``8 vec`` (block ``j = vec %
+    4`` of its 32-column group starts at ``16 (j // 2) + 2 (j % 2)``); column ``8 vec + 2 q + e``
+    is ``e + 4 q`` further. Python ints or DSL ``Int32``."""
+    block = vec % 4
+    return (vec // 4) * DKV_GROUP + 16 * (block // 2) + 2 * (block % 2)
+
+
+def interleaved_vec(row: cute.Tensor, vec: Int32) -> cute.Tensor:
+    """The 8 fp32 values of natural columns ``[8 vec, 8 vec + 8)`` of an interleaved
+    ``dkv_acc`` row, in natural order."""
+    return cute.make_tensor(row.iterator + interleaved_start(vec),
+                            cute.make_layout(INTERLEAVED_VEC_SHAPE, stride=INTERLEAVED_VEC_STRIDE))
 
 
 class SparseMlaBwdPostprocess:
@@ -46,7 +69,7 @@ class SparseMlaBwdPostprocess:
         if item < items:
             row = item // col_vecs
             col = item - row * col_vecs
-            src = cute.local_tile(dkv_acc[row, None], (VEC,), (col,))
+            src = interleaved_vec(dkv_acc[row, None], col)
             dst = cute.local_tile(dkv[row, None], (VEC,), (col,))
             dst.store(src.load().to(BFloat16))
 
@@ -74,10 +97,10 @@ class SparseMlaBwdFold:
         if item < items:
             row = item // col_vecs
             col = item - row * col_vecs
-            acc = cute.make_rmem_tensor(VEC, Float32)
+            acc = cute.make_rmem_tensor(cute.make_layout((2, 4)), Float32)  # interleaved_vec order
             acc.fill(0.0)
             for shard in cutlass.range(cute.size(dkv_acc, mode=[0]), unroll=4):
-                part = cute.local_tile(dkv_acc[shard, row, None], (VEC,), (col,))
+                part = interleaved_vec(dkv_acc[shard, row, None], col)
                 acc.store(acc.load() + part.load())
             dst = cute.local_tile(dkv[row, None], (VEC,), (col,))
             dst.store(acc.load().to(BFloat16))

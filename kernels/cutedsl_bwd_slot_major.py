@@ -420,11 +420,15 @@ class SparseMlaBwdSlotMajorNoncompact(SparseMlaBwdSlotMajor, SparseMlaBwdMainNon
 
 
 def compile_bwd_slot_major(arch: str, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
-                           scatter: bool = True, extra_options: str = "",
+                           scatter: bool = True, impl: str = IMPL, extra_options: str = "",
                            deterministic: bool = False) -> tuple[object, dict[str, object]]:
     """``cute.compile`` the slot-major kernel for ``arch`` (sm_90a; ``CUTE_DSL_ARCH`` set before
     import). Returns the compiled function and the fake arguments (those of
-    :func:`~dsa_aot.kernels.cutedsl_bwd_main.fake_arguments`) it was compiled with."""
+    :func:`~dsa_aot.kernels.cutedsl_bwd_main.fake_arguments`) it was compiled with. ``impl`` is
+    the build's flavour name, which must be this module's."""
+    if impl != IMPL:
+        raise ValueError(f"impl={impl!r}: this module builds impl={IMPL!r}; "
+                         "compile_bwd_main builds the others")
     check_params(d_qk, heads, layout, arch, deterministic)
     fakes = fake_arguments(d_qk, heads, layout)
     cls = SparseMlaBwdSlotMajorCompact if layout == "compact" else SparseMlaBwdSlotMajorNoncompact

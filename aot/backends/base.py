@@ -108,10 +108,18 @@ class KernelBackend(ABC):
     def implements(self, op: str) -> bool:
         return op in self.stages
 
+    def stage_module(self, spec: KernelSpec, stage: str) -> str:
+        """The kernel module that builds ``stage`` of ``spec`` (a backend whose flavours live in
+        modules of their own picks by ``spec.tile``)."""
+        return self.kernel_modules[stage]
+
+    def kernel_sources(self, spec: KernelSpec) -> tuple[str, ...]:
+        """The kernel modules of ``spec``'s stages, in launch order, without repeats."""
+        return tuple(dict.fromkeys(self.stage_module(spec, s) for s in self.stages[spec.op]))
+
     def source_modules(self, spec: KernelSpec) -> tuple[str, ...]:
         """The modules whose source a build of ``spec`` reads: build code and stage kernels."""
-        kernels = tuple(dict.fromkeys(self.kernel_modules[s] for s in self.stages[spec.op]))
-        return self.build_modules + kernels
+        return self.build_modules + self.kernel_sources(spec)
 
     def check_spec(self, spec: KernelSpec) -> None:
         """Raise ``ValueError`` naming the field when a field of ``spec`` cannot drive the build."""

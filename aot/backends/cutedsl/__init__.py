@@ -36,6 +36,12 @@ class CuteDslBackend(KernelBackend):
     link = "static_cudart"
     deterministic_archs = frozenset({"sm_90a"})
 
+    def stage_module(self, spec: KernelSpec, stage: str) -> str:
+        from dsa_aot.backends.cutedsl.records import kernel_entry, stage_impl
+
+        impl = stage_impl(stage, spec.arch, spec.heads, spec.tile.flavour, spec.deterministic)
+        return kernel_entry(stage, impl)[0]
+
     def check_spec(self, spec: KernelSpec) -> None:
         from dsa_aot.backends.cutedsl.build import requests_for
 

@@ -44,9 +44,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from dsa_aot import settings
 from dsa_aot.backends.cutedsl.records import (
-    BWD_MAIN_DEFAULT_IMPL, BWD_SLOT_MAJOR_HEADS, DSL_RUNTIME_LIB, FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES, RECORD_FILE, WORKER_MODULE, _DSL_STATIC_SHIMS,
+    BWD_SLOT_MAJOR_HEADS, bwd_main_default_impl, DSL_RUNTIME_LIB, FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES, RECORD_FILE, WORKER_MODULE, _DSL_STATIC_SHIMS,
     Arch, BwdMainImpl, CuteBuildError, CuteExportRecord, CuteKernel, CuteSymbols, FwdImpl, FwdLayout, LinkMode,
-    RuntimeLibRecord, ScalarArgRecord, StreamArgRecord, TensorArgRecord, sha256_file)
+    RuntimeLibRecord, ScalarArgRecord, StreamArgRecord, TensorArgRecord, kernel_entry, sha256_file)
 from dsa_aot.toolkit import toolkit_root
 
 if TYPE_CHECKING:
@@ -135,20 +135,13 @@ class BuildRequest(BaseModel):
         det = {"deterministic": True} if self.deterministic else {}
         if self.kernel == "bwd_main":
             return {"d_qk": self.d_qk, "heads": self.heads, "layout": self.layout,
-                    "impl": self.impl or BWD_MAIN_DEFAULT_IMPL[self.arch], **det}
+                    "impl": self.impl or bwd_main_default_impl(self.arch, self.heads, self.deterministic),
+                    **det}
         if self.kernel == "bwd_preprocess":
             return {"use_isfinite": self.use_isfinite, **det}
         return det
 
 
-#: Kernel module and compile function of each CuTe DSL stage (``f(arch, **params)`` returns
-#: ``(compiled, fake_arguments)``); the worker imports them by these names.
-KERNELS: dict[str, tuple[str, str]] = {
-    "fwd": ("dsa_aot.kernels.cutedsl_fwd", "compile_fwd"),
-    "bwd_preprocess": ("dsa_aot.kernels.cutedsl_bwd_preprocess", "compile_bwd_preprocess"),
-    "bwd_main": ("dsa_aot.kernels.cutedsl_bwd_main", "compile_bwd_main"),
-    "bwd_postprocess": ("dsa_aot.kernels.cutedsl_bwd_postprocess", "compile_bwd_postprocess"),
-}
 #: MMA flavours a spec's ``tile.flavour`` may name, per stage that has them.
 FLAVOURS: dict[str, tuple[str, ...]] = {"fwd": ("mma", "wgmma", "wgmma_pipe", "wgmma_ws", "wgmma_split"),
                                         "bwd_main": ("mma", "wgmma", "wgmma_slot_major")}
@@ -353,7 +346,7 @@ def _default_name(kernel: str, arch: str, link: str, use_isfinite: bool | None,
             name += f"_kv{fwd['kv_stages']}"
     if kernel == "bwd_main" and fwd is not None:
         name += f"_d{fwd['d_qk']}_h{fwd['heads']}_{fwd['layout']}"
-        if fwd["impl"] != BWD_MAIN_DEFAULT_IMPL[arch]:
+        if fwd["impl"] != bwd_main_default_impl(arch, int(fwd["heads"]), bool(fwd.get("deterministic"))):
             name += f"_{fwd['impl']}"
     if kernel == "bwd_preprocess":  # the worker fills in what its probe decides when None
         name += "_{isfinite}" if use_isfinite is None else "_isfinite" if use_isfinite else "_infcmp"
@@ -382,7 +375,7 @@ def build_cutedsl(requests: list[BuildRequest], out_dir: str | os.PathLike[str],
         for i, req in enumerate(requests):
             stage = scratch / f"job{i}"
             stage.mkdir()
-            module, function = KERNELS[req.kernel]
+            module, function = kernel_entry(req.kernel, req.compile_params.get("impl"))
             job = {"kernel": req.kernel, "module": module, "function": function,
                    "params": req.compile_params, "link": req.link, "dir": str(stage),
                    "name": req.name or _default_name(req.kernel, req.arch, req.link,

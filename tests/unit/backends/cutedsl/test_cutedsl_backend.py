@@ -26,7 +26,7 @@ from dsa_aot import settings
 from dsa_aot.artifact import ArtifactManifest
 from dsa_aot.backends import BACKENDS, BuildError
 from dsa_aot.backends.base import STAGE_PARAMS, Built
-from dsa_aot.backends.cutedsl.records import BWD_MAIN_DEFAULT_IMPL, FWD_DEFAULT_IMPL, CuteExportRecord
+from dsa_aot.backends.cutedsl.records import FWD_DEFAULT_IMPL, CuteExportRecord, bwd_main_default_impl
 from dsa_aot.build import Published, build_and_publish, manifest_for
 from dsa_aot.cache.store import ArtifactStore, CorruptArtifact
 from dsa_aot.identity import build_identity, can_key_builds
@@ -126,7 +126,8 @@ def test_published_manifest(built: dict, arch: str) -> None:
         "q", "kv", "dout", "topk_idxs", *(["topk_length"] if manifest.spec.layout == "compact" else []),
         "lse_sink", "delta", "dq", "dkv_acc", "softmax_scale", "stream"]
     assert (main.d_qk, main.heads, main.layout, main.impl) == (
-        manifest.spec.d_qk, manifest.spec.heads, manifest.spec.layout, BWD_MAIN_DEFAULT_IMPL[arch])
+        manifest.spec.d_qk, manifest.spec.heads, manifest.spec.layout,
+        bwd_main_default_impl(arch, manifest.spec.heads))
 
 
 @needs_build

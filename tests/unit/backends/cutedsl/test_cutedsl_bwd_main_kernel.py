@@ -30,7 +30,8 @@ import pytest
 import torch
 
 from dsa_aot.backends.cutedsl.build import BuildRequest, build_cutedsl, requests_for
-from dsa_aot.backends.cutedsl.records import BWD_MAIN_DEFAULT_IMPL, CuteExportRecord
+from dsa_aot.backends.cutedsl.records import CuteExportRecord, bwd_main_default_impl
+from dsa_aot.kernels.dkv_interleave import natural_order
 from dsa_aot.kernels.reference import sparse_mla_bwd_ref, sparse_mla_fwd_ref
 from dsa_aot.specs.models import KernelSpec, TileConfig
 
@@ -63,7 +64,7 @@ def main_name(arch: str, d_qk: int, heads: int, layout: str, flavour: str | None
               link: str = "static_cudart") -> str:
     """The artifact name :func:`build_cutedsl` derives for a ``bwd_main`` request."""
     return (f"cutedsl_bwd_main_{arch}_d{d_qk}_h{heads}_{layout}"
-            + (f"_{flavour}" if flavour not in (None, BWD_MAIN_DEFAULT_IMPL[arch]) else "")
+            + (f"_{flavour}" if flavour not in (None, bwd_main_default_impl(arch, heads)) else "")
             + ("_static" if link == "static_cudart" else ""))
 
 
@@ -104,7 +105,7 @@ def test_export_abi_records_and_link(cpu_built: tuple[Path, list[CuteExportRecor
     for arch, d_qk, heads, layout, flavour, link in _CPU_VARIANTS:
         rec = by_name[main_name(arch, d_qk, heads, layout, flavour, link)]
         assert (rec.kernel, rec.arch, rec.d_qk, rec.heads, rec.layout, rec.impl, rec.link) == (
-            "bwd_main", arch, d_qk, heads, layout, flavour or BWD_MAIN_DEFAULT_IMPL[arch], link)
+            "bwd_main", arch, d_qk, heads, layout, flavour or bwd_main_default_impl(arch, heads), link)
         assert rec.kv_stages is None and rec.use_isfinite is None
         assert [a.name for a in rec.args] == _tensors(layout) + ["softmax_scale", "stream"]
         assert rec.args[-2].kind == "scalar" and rec.args[-2].dtype == "float32"
@@ -393,7 +394,8 @@ def _run_main(main: Any, inp: dict[str, Any]) -> tuple[torch.Tensor, torch.Tenso
         tensors["topk_length"] = inp["topk_length"]
     main(**tensors, softmax_scale=inp["scale"])
     torch.cuda.synchronize()
-    return dq, dkv_acc.to(torch.bfloat16)
+    natural = dkv_acc[:, natural_order(dkv_acc.shape[1])]  # the accumulator's interleaved columns
+    return dq, natural.to(torch.bfloat16)
 
 
 def _run_backward(kernel: Any, inp: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ import pytest
 from dsa_aot.backends import BuildError
 from dsa_aot.backends import get as get_backend
 from dsa_aot.backends.cutedsl.build import requests_for
-from dsa_aot.backends.cutedsl.records import (BWD_MAIN_DEFAULT_IMPL, FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES,
+from dsa_aot.backends.cutedsl.records import (bwd_main_default_impl, FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES,
                                               CuteExportRecord)
 from dsa_aot.cache.store import ArtifactStore
 from dsa_aot.identity import can_key_builds
@@ -37,7 +37,7 @@ def test_default_tile_leaves_the_kernel_defaults() -> None:
                                   "kv_stages": FWD_DEFAULT_KV_STAGES[impl]}
     pre, main, post = requests_for(_spec("bwd"), BWD_STAGES, use_isfinite=False)
     assert [r.kernel for r in (pre, main, post)] == list(BWD_STAGES)
-    assert (main.impl, main.compile_params["impl"]) == (None, BWD_MAIN_DEFAULT_IMPL["sm_90a"])
+    assert (main.impl, main.compile_params["impl"]) == (None, bwd_main_default_impl("sm_90a", 64))
     assert pre.use_isfinite is False and pre.impl is None and post.impl is None
     assert post.compile_params == {}
 
