@@ -78,7 +78,7 @@ class Loader:
         self._toolchain = None
         self._features = None
         self._stores: list[ArtifactStore] | None = None
-        self._ranking: dict[str, list[str]] | None = None
+        self._ranking: tuple[dict[str, list[str]], list[dict[str, list]]] | None = None
         self._buckets: dict[tuple[str, str, str], list[int]] | None = None
         self._keys: dict[str, tuple[str | None, str | None]] = {}
 
@@ -134,15 +134,28 @@ class Loader:
                 self._features = load_or_probe(path, ["sm_90a", "sm_100a"])
         return self._features
 
-    def ranking(self, op: str) -> list[str]:
+    def ranking(self, op: str, arch: str | None = None, d_qk: int | None = None,
+                heads: int | None = None) -> list[str]:
+        """Backends to try for a variant, fastest first: ``DSA_AOT_BACKENDS`` when set, else the
+        catalog's first ``[[prefer]]`` table matching the variant, else its ``[ranking]`` of
+        ``op``. Without ``arch``: every backend any table ranks for ``op``, the op's order first."""
         forced = _settings.get().backends  # DSA_AOT_BACKENDS replaces the catalog's ranking
         if forced is not None:
             return [b for b in forced if b in BACKENDS]
         if self._ranking is None:
-            from dsa_aot.specs.catalog import load_ranking
+            from dsa_aot.specs.catalog import load_preferences, load_ranking
 
-            self._ranking = load_ranking()
-        return [b for b in self._ranking.get(op, ["tilelang"]) if b in BACKENDS]
+            self._ranking = (load_ranking(), load_preferences())
+        from dsa_aot.specs.catalog import ranked
+
+        ranking, preferences = self._ranking
+        if arch is None:
+            found = list(ranking.get(op, ["tilelang"]))
+            found += [b for rule in preferences if op in rule.get("ops", [op]) for b in rule["backends"]]
+            order = list(dict.fromkeys(found))
+        else:
+            order = ranked(ranking, preferences, op, arch, int(d_qk or 0), int(heads or 0))
+        return [b for b in order if b in BACKENDS]
 
     def topk_widths(self, backend: str, op: str, arch: str) -> list[int]:
         """The catalog's top-k buckets of a backend whose ``op`` kernels are specialised on the width."""
@@ -335,7 +348,7 @@ class Loader:
         reference (:class:`DeterminismUnavailableError` instead).
         """
         with self._lock:
-            specs = [self._spec(op, arch, d_qk, heads, layout, name, deterministic) for name in self.ranking(op)
+            specs = [self._spec(op, arch, d_qk, heads, layout, name, deterministic) for name in self.ranking(op, arch, d_qk, heads)
                      if BACKENDS[name].implements(op) and name not in skip
                      and (not deterministic or arch in BACKENDS[name].deterministic_archs)]
             for spec in specs:

@@ -8,7 +8,7 @@ import tomllib
 from pathlib import Path
 from typing import get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from dsa_aot.specs.models import Arch, Backend, KernelSpec, Layout, Op, TileConfig
 
@@ -30,12 +30,27 @@ class MatrixBlock(BaseModel):
 
 
 DEFAULT_RANKING: dict[str, list[str]] = {"fwd": ["tilelang"], "bwd": ["tilelang"]}
+#: The variant fields a ``[[prefer]]`` table may narrow, with the call's value each is matched on.
+PREFER_FIELDS = ("ops", "archs", "d_qk", "heads")
+
+
+class PreferRule(BaseModel):
+    """One ``[[prefer]]`` table: the backend order for the variants it matches, instead of the
+    op's ``[ranking]`` (a field left out matches any value; the first matching table wins)."""
+
+    model_config = ConfigDict(extra="forbid", defer_build=True)
+    ops: list[Op] | None = Field(None, min_length=1)
+    archs: list[Arch] | None = Field(None, min_length=1)
+    d_qk: list[StrictInt] | None = Field(None, min_length=1)
+    heads: list[StrictInt] | None = Field(None, min_length=1)
+    backends: list[Backend] = Field(min_length=1)
 
 
 class Catalog(BaseModel):
     model_config = ConfigDict(extra="forbid", defer_build=True)
     matrix: list[MatrixBlock] = Field(min_length=1)
     ranking: dict[Op, list[Backend]] = DEFAULT_RANKING
+    prefer: list[PreferRule] = []
 
     def specs(self, implemented: set[tuple[str, str]] | None = None) -> list[KernelSpec]:
         """Every spec, deduplicated, in catalog order.
@@ -98,6 +113,43 @@ def load_ranking(path: Path | str | None = None) -> dict[str, list[str]]:
             raise ValueError(f"catalog {path}: ranking {op} = {names!r}; ops are {sorted(ops)}, "
                              f"backends {sorted(backends)}")
     return {op: list(names) for op, names in ranking.items()}
+
+
+def load_preferences(path: Path | str | None = None) -> list[dict[str, list]]:
+    """The ``[[prefer]]`` tables alone, checked as :class:`PreferRule` would check them (the
+    runtime loader's path, like :func:`load_ranking`)."""
+    path, data = _read(path)
+    rules = data.get("prefer", [])
+    from dsa_aot.backends import names
+
+    allowed = {"ops": set(get_args(Op)), "archs": set(get_args(Arch)), "backends": set(names())}
+    if not isinstance(rules, list):
+        raise ValueError(f"catalog {path}: prefer must be an array of tables ([[prefer]])")
+    for n, rule in enumerate(rules):
+        where = f"catalog {path}: [[prefer]] #{n + 1}"
+        if not isinstance(rule, dict) or "backends" not in rule:
+            raise ValueError(f"{where} needs backends = [...]")
+        for field, values in rule.items():
+            if field not in (*PREFER_FIELDS, "backends"):
+                raise ValueError(f"{where}: unknown field {field!r}; use {PREFER_FIELDS + ('backends',)}")
+            ok = isinstance(values, list) and bool(values) and all(
+                (v in allowed[field]) if field in allowed else (isinstance(v, int) and not isinstance(v, bool))
+                for v in values)
+            if not ok:
+                raise ValueError(f"{where}: {field} = {values!r} is not a non-empty list of "
+                                 + (f"{sorted(allowed[field])}" if field in allowed else "ints"))
+    return [{k: list(v) for k, v in rule.items()} for rule in rules]
+
+
+def ranked(ranking: dict[str, list[str]], preferences: list[dict[str, list]], op: str, arch: str,
+           d_qk: int, heads: int) -> list[str]:
+    """The backend order for one variant: the first ``[[prefer]]`` table matching it, else the
+    op's ``[ranking]``."""
+    call = dict(zip(PREFER_FIELDS, (op, arch, d_qk, heads)))
+    for rule in preferences:
+        if all(field not in rule or call[field] in rule[field] for field in PREFER_FIELDS):
+            return list(rule["backends"])
+    return list(ranking.get(op, DEFAULT_RANKING.get(op, ["tilelang"])))
 
 
 def load_topk_buckets(path: Path | str | None = None) -> dict[tuple[str, str, str], list[int]]:

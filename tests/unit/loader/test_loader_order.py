@@ -68,3 +68,16 @@ def test_require_prebuilt_names_every_backend_it_tried(loader):
     with settings.scope(backends=("cutedsl", "tilelang"), require_prebuilt=True):
         _, res = loader.resolve(*SHAPE)
     assert res.spec.backend == "tilelang"
+
+
+def test_a_matching_preference_reorders_the_lookup(loader):
+    loader._ranking = ({"fwd": ["tilelang", "cutedsl"]},
+                       [{"ops": ["fwd"], "heads": [64], "backends": ["cutedsl", "tilelang"]}])
+    loader.stored.update({"tilelang", "cutedsl"})
+    with settings.scope(backends=None):
+        _, res = loader.resolve(*SHAPE)  # H64: the preference
+        assert res.spec.backend == "cutedsl" and loader.calls == [("lookup", "cutedsl")]
+        loader.calls.clear()
+        _, res = loader.resolve("fwd", "sm_90a", 576, 16, "noncompact", 0)  # H16: the ranking
+        assert res.spec.backend == "tilelang" and loader.calls == [("lookup", "tilelang")]
+        assert loader.ranking("fwd") == ["tilelang", "cutedsl"]  # every backend ranked for fwd

@@ -109,3 +109,48 @@ def test_ranking_alone_matches_full_catalog(tmp_path):
             load_ranking(bad)
         with pytest.raises(ValueError):
             load_catalog(bad)
+
+
+def test_preferences_alone_match_full_catalog_and_bad_tables_are_refused(tmp_path):
+    from dsa_aot.specs.catalog import load_catalog, load_preferences
+
+    assert load_preferences() == [r.model_dump(exclude_none=True) for r in load_catalog().prefer]
+    bad = tmp_path / "bad.toml"
+    for table, fragment in (('archs = ["sm_90a"]', "needs backends"),
+                            ('backends = ["triton"]', "triton"),
+                            ('heads = 16\nbackends = ["cutedsl"]', "heads = 16"),
+                            ('heads = [true]\nbackends = ["cutedsl"]', "heads"),
+                            ('shapes = [1]\nbackends = ["cutedsl"]', "unknown field 'shapes'"),
+                            ('ops = []\nbackends = ["cutedsl"]', "ops = \\[\\]")):
+        bad.write_text("[[matrix]]\nops=['fwd']\narchs=['sm_90a']\nd_qk=[576]\nheads=[64]\n"
+                       f"layouts=['compact']\n[[prefer]]\n{table}\n")
+        with pytest.raises(ValueError, match=fragment):
+            load_preferences(bad)
+        with pytest.raises(ValueError):
+            load_catalog(bad)
+
+
+def test_the_first_matching_preference_wins_over_the_ranking():
+    from dsa_aot.specs.catalog import ranked
+
+    ranking = {"bwd": ["cudnn", "cutedsl", "tilelang"], "fwd": ["cutedsl", "tilelang"]}
+    rules = [{"ops": ["bwd"], "archs": ["sm_90a"], "d_qk": [512], "backends": ["cutedsl", "cudnn"]},
+             {"heads": [16, 32], "backends": ["tilelang"]},
+             {"ops": ["bwd"], "backends": ["cutedsl"]}]
+    assert ranked(ranking, rules, "bwd", "sm_90a", 512, 16) == ["cutedsl", "cudnn"]
+    assert ranked(ranking, rules, "bwd", "sm_100a", 512, 16) == ["tilelang"]
+    assert ranked(ranking, rules, "fwd", "sm_90a", 576, 64) == ["cutedsl", "tilelang"]
+    assert ranked(ranking, rules, "bwd", "sm_100a", 576, 64) == ["cutedsl"]
+    assert ranked(ranking, [], "bwd", "sm_90a", 512, 16) == ["cudnn", "cutedsl", "tilelang"]
+
+
+def test_packaged_catalog_puts_the_faster_sm90_backward_first():
+    """bench/results/h200_bwd.md: ours ahead at D512 and at H16/H32, cuDNN's at D576 H64/H128."""
+    from dsa_aot.specs.catalog import load_preferences, load_ranking, ranked
+
+    ranking, rules = load_ranking(), load_preferences()
+    for d_qk, heads in ((512, 16), (512, 64), (512, 128), (576, 16), (576, 32)):
+        assert ranked(ranking, rules, "bwd", "sm_90a", d_qk, heads)[0] == "cutedsl"
+    for d_qk, heads in ((576, 64), (576, 128)):
+        assert ranked(ranking, rules, "bwd", "sm_90a", d_qk, heads)[0] == "cudnn"
+    assert ranked(ranking, rules, "bwd", "sm_100a", 512, 16)[0] == "cudnn"
