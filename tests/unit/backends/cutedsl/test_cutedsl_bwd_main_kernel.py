@@ -6,11 +6,12 @@ the requests a spec maps to (:func:`~dsa_aot.backends.cutedsl.build.requests_for
 generated C ABI and the records are checked, and a fresh process opens each library through
 :mod:`dsa_aot.backends.cutedsl.runtime` without ``cutlass``. The full sweep is ``-m slow``.
 
-GPU (``-m gpu``): bwd specs (``tile.flavour`` ``mma``, and ``wgmma`` on sm_90a) built and published by
+GPU (``-m gpu``): bwd specs (``tile.flavour`` ``mma``; on sm_90a also ``wgmma``, and
+``wgmma_slot_major`` at H16/H32) built and published by
 :func:`dsa_aot.build.build_and_publish` and loaded by the backend. The loaded main kernel runs
 with ``delta`` / ``lse_sink`` from the reference around it into NaN-poisoned ``dq``, and the whole
 loaded backward runs too; ``dq``, ``dkv`` (and ``d_sink``) are compared with the fp64 reference by
-``||x - ref|| / ||ref||``, over both layouts, H 16/64/128, D 512/576, K 128/300/2048, S_kv
+``||x - ref|| / ||ref||``, over both layouts, H 16/32/64/128, D 512/576, K 128/300/2048, S_kv
 95/4096 (K > S_kv included) and the edge cases of the contract. The timing case (S_q 4096,
 S_kv 8192, H 64, D 576, K 2048) prints the median of 20 launches of the main kernel.
 """
@@ -240,7 +241,9 @@ def test_full_sweep_builds(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 #: MMA flavours checked on the GPU (the specs' ``tile.flavour``); wgmma needs sm_90a.
-IMPLS = ("mma", "wgmma")
+IMPLS = ("mma", "wgmma", "wgmma_slot_major")
+#: Head counts of the slot-major flavour (the others take every H).
+SLOT_MAJOR_HEADS = (16, 32)
 _RESULTS: list[dict[str, Any]] = []
 
 
@@ -332,6 +335,8 @@ _CASES = [
     ("noncompact", 64, 576, 300, 4096, 16, {"low_scores": True, "sinks": "none"}),
     ("compact", 16, 576, 2048, 4096, 8, {"low_scores": True, "sinks": "edge"}),
     ("noncompact", 64, 512, 2048, 4096, 8, {"bad_idx": False, "sinks": "none"}),
+    ("compact", 32, 576, 2048, 4096, 12, {}),
+    ("noncompact", 32, 512, 300, 95, 12, {"sinks": "edge", "all_invalid_rows": 2}),
 ]
 
 
@@ -359,7 +364,8 @@ def gpu_backward(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, in
     shapes = {(d_qk, heads, layout) for layout, heads, d_qk, *_ in _CASES}
     shapes |= {(576, 64, "compact"), (576, 64, "noncompact")}
     wanted = [(*shape, impl) for shape in sorted(shapes) for impl in IMPLS
-              if impl == "mma" or arch == "sm_90a"]
+              if (impl == "mma" or arch == "sm_90a")
+              and (impl != "wgmma_slot_major" or shape[1] in SLOT_MAJOR_HEADS)]
     store = ArtifactStore(tmp_path_factory.mktemp("bwd_main_gpu"))
 
     def build(variant: tuple[int, int, str, str]):
@@ -445,8 +451,9 @@ def test_gpu_matches_reference(gpu_backward: dict, case: int, impl: str) -> None
 @_needs_cuda
 @pytest.mark.parametrize("impl", IMPLS)
 def test_gpu_sink_plus_inf_gives_zero(gpu_backward: dict, impl: str) -> None:
-    kernel = _loaded(gpu_backward, 576, 64, "compact", impl)
-    inp = _case_inputs(8, 256, 64, 576, 128, "compact", seed=99, sinks="none")
+    heads = SLOT_MAJOR_HEADS[0] if impl == "wgmma_slot_major" else 64
+    kernel = _loaded(gpu_backward, 576, heads, "compact", impl)
+    inp = _case_inputs(8, 256, heads, 576, 128, "compact", seed=99, sinks="none")
     inp["lse_sink"] = torch.full_like(inp["lse_sink"], float("inf"))
     dq, dkv = _run_main(kernel.main, inp)
     _log({"case": "sink=+inf", "impl": impl, "dq_absmax": dq.abs().max().item(),
@@ -511,7 +518,7 @@ def time_kernel(main: Any, s_q: int, s_kv: int, heads: int, d_qk: int, topk: int
 
 @pytest.mark.gpu
 @_needs_cuda
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", ("mma", "wgmma"))  # the timing case is H64
 def test_gpu_timing(gpu_backward: dict, impl: str) -> None:
     """S_q 4096, S_kv 8192, H 64, D 576, K 2048 (compact, all slots valid)."""
     kernel = _loaded(gpu_backward, 576, 64, "compact", impl)
