@@ -45,10 +45,12 @@ from shared memory (K-major tiles, and MN-major views of the same bytes for the 
 operands); dq and dkv advance 128 columns per step (D_qk 576 is padded to 640: the padding
 columns read the neighbouring buffer, land in accumulator columns >= 576 and are never stored),
 and the dkv chunk GEMMs alternate between two accumulators so chunk c's MMAs overlap chunk
-c - 1's atomics. On the H200 it passes ``tests/test_cutedsl_bwd_main.py -m gpu`` (every case
-and edge case) and runs 10.7 ms at H64 D576 K2048 and 9.7 ms at H128 D512 K1024 (``mma``: 11.5
-and 10.4; without the atomics 6.4 ms against 9.2); it stays opt-in until it has also run
-through the public API and the benchmark.
+c - 1's atomics. The first k-step of the S, dP and dKV chunk GEMMs overwrites its accumulator
+(wgmma scale-d 0: no zero-fill); only ``dq``'s is zero-filled, once per row. S and dP issue
+their k-steps interleaved (one K descriptor feeds both). On the H200 it passes
+``tests/test_cutedsl_bwd_main.py -m gpu`` (every case and edge case) and runs 10.7 ms at H64
+D576 K2048 and 9.7 ms at H128 D512 K1024 (``mma``: 11.5 and 10.4; without the atomics 6.4 ms
+against 9.2); it stays opt-in until it has also run through the public API and the benchmark.
 
 This module imports ``cutlass``: use it in a build process only.
 """
@@ -59,6 +61,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.utils import hopper_helpers as sm90_utils
 
@@ -101,6 +104,27 @@ def can_implement(d_qk: int, heads: int, layout: str) -> bool:
 def _transposed(tensor: cute.Tensor, rows: int, cols: int) -> cute.Tensor:
     """The ``(cols, rows)`` view of a ``(rows, cols)`` shared tile (no data moves)."""
     return cute.composition(tensor, cute.make_layout((cols, rows), stride=(rows, 1)))
+
+
+@cutlass.dsl_user_op
+def opaque_i64(value: Int64, *, loc=None, ip=None) -> Int64:
+    """``value`` through a ``mov.b64`` the LLVM optimiser cannot look into: a row offset made
+    once stays one register (without it, the multiply can be re-done at every atomic that
+    uses it when the address arithmetic is sunk into each atomic's branch)."""
+    return Int64(llvm.inline_asm(Int64.mlir_type, [Int64(value).ir_value(loc=loc, ip=ip)],
+                                 "mov.b64 $0, $1;", "=l,l", has_side_effects=False,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                                 loc=loc, ip=ip))
+
+
+def wg_gemm(mma: cute.TiledMma, acc: cute.Tensor, steps: list, accumulate: bool) -> None:
+    """Issue ``acc (+)= sum_k A_k B_k`` as one ``cute.gemm`` per ``(A_k, B_k)`` of ``steps`` (no
+    fence, no commit). ``accumulate=False``: the first step overwrites ``acc`` (wgmma scale-d 0),
+    so the accumulator needs no zero-fill and must not be read before this call. The ACCUMULATE
+    field is set before every step (a compile-time constant each time)."""
+    for i, (a, b) in enumerate(steps):
+        mma.set(warpgroup.Field.ACCUMULATE, accumulate or i > 0)
+        cute.gemm(mma, acc, a, b, acc)
 
 
 def wgmma_smem_layouts(d_qk: int) -> dict[str, cute.ComposedLayout]:
@@ -506,8 +530,9 @@ class SparseMlaBwdMain:
         n_chunks = (d + WG_CHUNK - 1) // WG_CHUNK
         d_pad = n_chunks * WG_CHUNK
         n_v_chunks = D_V // WG_CHUNK
-        for mma in (mma_s, mma_dq, mma_kv):
-            mma.set(warpgroup.Field.ACCUMULATE, True)  # accumulators are zero-filled instead
+        # dQ accumulates over the blocks (zero-filled once per row); the other GEMMs set the
+        # field per k-step: the first overwrites the accumulator (wgmma scale-d 0, no zero-fill)
+        mma_dq.set(warpgroup.Field.ACCUMULATE, True)
         tidx, _, _ = cute.arch.thread_idx()
         t_first, hb, _ = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -618,13 +643,14 @@ class SparseMlaBwdMain:
                 # S = Q K^T and dP = dO V^T (this warpgroup's 32 slots)
                 acc_s = cute.make_rmem_tensor(acc_shape, Float32)
                 acc_dp = cute.make_rmem_tensor(acc_shape, Float32)
-                acc_s.fill(0.0)
-                acc_dp.fill(0.0)
+                # interleaved k-steps: each K descriptor feeds both GEMMs back to back (no long
+                # live ranges); k = 0 overwrites the accumulators (no zero-fill)
                 warpgroup.fence()
                 for k in cutlass.range_constexpr(d // 16):
+                    mma_s.set(warpgroup.Field.ACCUMULATE, k > 0)
                     cute.gemm(mma_s, acc_s, r_q[None, None, k], r_k[None, None, k], acc_s)
-                for k in cutlass.range_constexpr(D_V // 16):
-                    cute.gemm(mma_s, acc_dp, r_do[None, None, k], r_k[None, None, k], acc_dp)
+                    if cutlass.const_expr(k < D_V // 16):
+                        cute.gemm(mma_s, acc_dp, r_do[None, None, k], r_k[None, None, k], acc_dp)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
 
@@ -658,7 +684,8 @@ class SparseMlaBwdMain:
                 warpgroup.commit_group()
                 slots = self.dkv_slots(buf, kv_coords, lane)
                 row_ok = [s_valid[s] for s in slots]
-                row_ptr = [dkv_base + Int64(s_idx[s]) * dkv_row_stride for s in slots]
+                row_ptr = [dkv_base + opaque_i64(Int64(s_idx[s]) * dkv_row_stride)
+                           for s in slots]
                 ranks = []
                 max_rank = Int32(0)
                 if cutlass.const_expr(det):  # phase 0 adds each slot that repeats no earlier one
@@ -669,14 +696,13 @@ class SparseMlaBwdMain:
                 acc_kv = [cute.make_rmem_tensor(kv_shape, Float32) for _ in range(2)]
                 for c in cutlass.range_constexpr(n_chunks):
                     acc = acc_kv[c % 2]
-                    acc.fill(0.0)
-                    warpgroup.fence()
-                    for k in cutlass.range_constexpr(BLOCK_H // 16):
-                        cute.gemm(mma_kv, acc, r_dst[None, None, k], r_qt[c][None, None, k], acc)
+                    steps = [(r_dst[None, None, k], r_qt[c][None, None, k])
+                             for k in range(BLOCK_H // 16)]
                     if cutlass.const_expr(c < n_v_chunks):
-                        for k in cutlass.range_constexpr(BLOCK_H // 16):
-                            cute.gemm(mma_kv, acc, r_pt[None, None, k], r_dot[c][None, None, k],
-                                      acc)
+                        steps += [(r_pt[None, None, k], r_dot[c][None, None, k])
+                                  for k in range(BLOCK_H // 16)]
+                    warpgroup.fence()
+                    wg_gemm(mma_kv, acc, steps, False)
                     warpgroup.commit_group()
                     warpgroup.wait_group(1)  # dQ (c = 0) or chunk c - 1 is done
                     if cutlass.const_expr(c == 0):

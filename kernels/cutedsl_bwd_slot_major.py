@@ -19,6 +19,8 @@ padded:
   ``dout`` viewed MN-major); each chunk is added to ``dkv_acc`` at valid slots with the 4-wide
   ``red.global.add.v4.f32`` of :meth:`SparseMlaBwdMain.scatter_chunk`, and the chunk GEMMs
   alternate between two accumulators so chunk ``c``'s MMAs overlap chunk ``c - 1``'s atomics;
+  the first k-step of the ``S^T``, ``dP^T`` and dKV GEMMs overwrites the accumulator (wgmma
+  scale-d 0, no zero-fill), ``S^T`` and ``dP^T`` interleaving their k-steps;
 * ``dQ^T [D x H] += K_blk^T dS^T`` (A: the KV tile viewed MN-major, 64 rows of ``D`` per MMA;
   B: ``dS`` [H x slots] from shared memory, K-major), in registers over the whole row, written as
   bf16 at the end (0 for a row without a valid slot).
@@ -34,8 +36,8 @@ accumulator registers per thread at H 32 D 576, where a single warpgroup would n
 alone. Shared memory (one 128-slot KV tile, ``q``, ``dout``, ``dS``, indices): 228,352 bytes
 at H 32 D 576 (the most; 207,872 at H 32 D 512, 189,440 at H 16 D 576, 171,008 at H 16 D 512),
 plus the 1 KiB the compiler reserves, within an sm_90a CTA's 227 KiB: one CTA (8 warps) per SM.
-Registers (ptxas, no spills): 193-198 a thread at H 32, 239-242 at H 16. The KV tile is read only
-by ``S^T``, ``dP^T`` and ``dQ^T``: once both warpgroups are past ``dQ^T`` the next block's gather
+Registers (ptxas 13.0, no spills): 200-212 a thread at H 32, 190-196 at H 16. The KV tile is read
+only by ``S^T``, ``dP^T`` and ``dQ^T``: once both warpgroups are past ``dQ^T`` the next gather
 (``cp.async``; invalid slots zero-filled and never read) is issued and streams in while the dKV
 chunk GEMMs and their atomics run. Not chosen: one warpgroup per CTA over 64-slot blocks (two
 CTAs per SM at H 16, but 144 dQ accumulator registers a thread at H 32, and half the warps).
@@ -58,7 +60,8 @@ from cutlass.utils import hopper_helpers as sm90_utils
 
 from dsa_aot.kernels import cutedsl_bwd_main as main
 from dsa_aot.kernels.cutedsl_bwd_main import (LOG2E, SparseMlaBwdMain, SparseMlaBwdMainCompact,
-                                              SparseMlaBwdMainNoncompact, fake_arguments)
+                                              SparseMlaBwdMainNoncompact, fake_arguments,
+                                              opaque_i64, wg_gemm)
 from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, LAYOUTS, VEC, wg_acc_as_a,
                                             wg_rows_cols)
 
@@ -212,8 +215,9 @@ class SparseMlaBwdSlotMajor(SparseMlaBwdMain):
         n_tiles = d // TILE                  # dQ^T row tiles and dKV column chunks (9 or 8)
         n_mine = (n_tiles + 1) // 2          # dQ^T tiles per warpgroup
         n_v_chunks = D_V // TILE
-        for mma in (mma_s, mma_dq, mma_kv):
-            mma.set(warpgroup.Field.ACCUMULATE, True)  # accumulators are zero-filled instead
+        # dQ^T accumulates over the blocks (zero-filled once); the other GEMMs set the field per
+        # k-step: the first overwrites the accumulator (wgmma scale-d 0, no zero-fill)
+        mma_dq.set(warpgroup.Field.ACCUMULATE, True)
         tidx, _, _ = cute.arch.thread_idx()
         t, _, _ = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
@@ -319,13 +323,14 @@ class SparseMlaBwdSlotMajor(SparseMlaBwdMain):
             upcoming = self.load_indices(b + 1, t, m_idx, n_slots, row_in_pass)
 
             # S^T = K Q^T and dP^T = V dO^T (this warpgroup's 64 slots, every head)
-            acc_s.fill(0.0)
-            acc_dp.fill(0.0)
+            # interleaved k-steps (each K descriptor feeds both GEMMs back to back); k = 0
+            # overwrites the accumulators (wgmma scale-d 0: no zero-fill)
             warpgroup.fence()
             for k in cutlass.range_constexpr(d // 16):
+                mma_s.set(warpgroup.Field.ACCUMULATE, k > 0)
                 cute.gemm(mma_s, acc_s, r_k[None, None, k], r_q[None, None, k], acc_s)
-            for k in cutlass.range_constexpr(D_V // 16):
-                cute.gemm(mma_s, acc_dp, r_k[None, None, k], r_do[None, None, k], acc_dp)
+                if cutlass.const_expr(k < D_V // 16):
+                    cute.gemm(mma_s, acc_dp, r_k[None, None, k], r_do[None, None, k], acc_dp)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
@@ -360,16 +365,17 @@ class SparseMlaBwdSlotMajor(SparseMlaBwdMain):
             warpgroup.commit_group()
             slots = self.dkv_slots(mine, kv_coords, lane)
             row_ok = [s_valid[s] for s in slots]
-            row_ptr = [m_dkv.iterator + Int64(s_idx[s]) * m_dkv.stride[0] for s in slots]
+            row_ptr = [m_dkv.iterator + opaque_i64(Int64(s_idx[s]) * m_dkv.stride[0])
+                       for s in slots]
             for c in cutlass.range_constexpr(n_tiles):
                 acc = acc_kv[c % 2]
-                acc.fill(0.0)
-                warpgroup.fence()
-                for k in cutlass.range_constexpr(heads // 16):
-                    cute.gemm(mma_kv, acc, r_dsa[None, None, k], r_qt[c][None, None, k], acc)
+                steps = [(r_dsa[None, None, k], r_qt[c][None, None, k])
+                         for k in range(heads // 16)]
                 if cutlass.const_expr(c < n_v_chunks):
-                    for k in cutlass.range_constexpr(heads // 16):
-                        cute.gemm(mma_kv, acc, r_pa[None, None, k], r_dot[c][None, None, k], acc)
+                    steps += [(r_pa[None, None, k], r_dot[c][None, None, k])
+                              for k in range(heads // 16)]
+                warpgroup.fence()
+                wg_gemm(mma_kv, acc, steps, False)  # the first step overwrites (no zero-fill)
                 warpgroup.commit_group()
                 warpgroup.wait_group(1)  # dQ^T (c = 0) or chunk c - 1 is done
                 if cutlass.const_expr(c == 0):
