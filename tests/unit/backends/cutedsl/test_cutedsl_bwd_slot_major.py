@@ -25,7 +25,7 @@ import pytest
 from cli_helpers import embedded_cubin
 from dsa_aot.backends import get as get_backend
 from dsa_aot.backends.cutedsl.build import BuildRequest, build_cutedsl, requests_for
-from dsa_aot.backends.cutedsl.records import BWD_SLOT_MAJOR_HEADS, CuteExportRecord
+from dsa_aot.backends.cutedsl.records import BWD_SLOT_MAJOR_HEADS, CuteExportRecord, bwd_main_default_impl
 from dsa_aot.identity import can_key_builds
 from dsa_aot.specs.catalog import Catalog
 from dsa_aot.specs.models import KernelSpec, TileConfig
@@ -61,8 +61,10 @@ def _request(d_qk: int, heads: int, layout: str, flavour: str = IMPL) -> BuildRe
     return request
 
 
-def _name(d_qk: int, heads: int, layout: str) -> str:
-    return f"cutedsl_bwd_main_sm_90a_d{d_qk}_h{heads}_{layout}_{IMPL}_static"
+def _name(d_qk: int, heads: int, layout: str, impl: str = IMPL) -> str:
+    """The artifact name of a bwd_main request (the impl is named unless it is the default)."""
+    suffix = "" if impl == bwd_main_default_impl("sm_90a", heads) else f"_{impl}"
+    return f"cutedsl_bwd_main_sm_90a_d{d_qk}_h{heads}_{layout}{suffix}_static"
 
 
 # --------------------------------------------------------------------------------------------
@@ -123,13 +125,19 @@ from dsa_aot.backends.cutedsl.records import BWD_SLOT_MAJOR_HEADS
 from dsa_aot.kernels import cutedsl_bwd_slot_major as k
 from dsa_aot.kernels.cutedsl_bwd_main import compile_bwd_main
 assert k.HEADS == BWD_SLOT_MAJOR_HEADS, (k.HEADS, BWD_SLOT_MAJOR_HEADS)
+try:
+    compile_bwd_main('sm_90a', 576, 16, 'compact', impl='wgmma_slot_major')
+except ValueError as e:
+    assert 'cutedsl_bwd_slot_major' in str(e), e
+else:
+    raise SystemExit('compile_bwd_main built the slot-major flavour')
 assert k.can_implement(576, 16, 'compact') and k.can_implement(512, 32, 'noncompact')
 assert not k.can_implement(576, 64, 'compact') and not k.can_implement(448, 16, 'compact')
 for args, kw in [(('sm_100a', 576, 16, 'compact'), {}), (('sm_90a', 576, 64, 'compact'), {}),
                  (('sm_90a', 576, 128, 'noncompact'), {}),
                  (('sm_90a', 576, 16, 'compact'), {'deterministic': True})]:
     try:
-        compile_bwd_main(*args, impl='wgmma_slot_major', **kw)
+        k.compile_bwd_slot_major(*args, **kw)
     except ValueError as e:
         print('refused', e)
     else:
@@ -240,7 +248,7 @@ def test_every_variant_builds_with_the_wgmma_abi(built: tuple[Path, dict[str, Cu
         header = (out / rec.name / rec.header).read_text()
         assert f"void *args[{len(rec.args) + 1}] = {{" in header
     for d_qk, heads, layout in WGMMA_TWINS:
-        twin = records[f"cutedsl_bwd_main_sm_90a_d{d_qk}_h{heads}_{layout}_static"]
+        twin = records[_name(d_qk, heads, layout, "wgmma")]
         assert twin.impl == "wgmma"
         assert records[_name(d_qk, heads, layout)].args == twin.args
 
@@ -292,5 +300,5 @@ def test_flavoured_bwd_spec_builds_through_the_backend(tmp_path: Path) -> None:
     assert sorted(records) == sorted(BWD_STAGES)
     main = records["bwd_main"]
     assert (main.impl, main.heads, main.layout) == (IMPL, 16, "noncompact")
-    assert main.name == "cutedsl_bwd_main_sm_90a_d576_h16_noncompact_wgmma_slot_major_static"
+    assert main.name == _name(576, 16, "noncompact")  # the default flavour at H16: no suffix
     assert records["bwd_preprocess"].impl is None and records["bwd_postprocess"].impl is None
