@@ -45,11 +45,9 @@ from shared memory (K-major tiles, and MN-major views of the same bytes for the 
 operands); dq and dkv advance 128 columns per step (D_qk 576 is padded to 640: the padding
 columns read the neighbouring buffer, land in accumulator columns >= 576 and are never stored),
 and the dkv chunk GEMMs alternate between two accumulators so chunk c's MMAs overlap chunk
-c - 1's atomics; the last chunk's atomics are issued in the next block once its S and dP wgmmas
-are committed (its rows re-read from shared memory), or after the row's last block. The first
-k-step of the S, dP and dKV chunk GEMMs overwrites its accumulator (wgmma scale-d 0: no
-zero-fill); only ``dq``'s is zero-filled, once per row. S and dP issue their k-steps
-interleaved (one K descriptor feeds both). On the H200 it passes
+c - 1's atomics. The first k-step of the S, dP and dKV chunk GEMMs overwrites its accumulator
+(wgmma scale-d 0: no zero-fill); only ``dq``'s is zero-filled, once per row. S and dP issue
+their k-steps interleaved (one K descriptor feeds both). On the H200 it passes
 ``tests/test_cutedsl_bwd_main.py -m gpu`` (every case and edge case) and runs 10.7 ms at H64
 D576 K2048 and 9.7 ms at H128 D512 K1024 (``mma``: 11.5 and 10.4; without the atomics 6.4 ms
 against 9.2); it stays opt-in until it has also run through the public API and the benchmark.
@@ -613,12 +611,6 @@ class SparseMlaBwdMain:
         t_s_ds_c = thr_store_c.partition_D(s_ds)
         c_dq = thr_dq.partition_C(cute.make_identity_tensor((BLOCK_H, d_pad)))
 
-        # dKV chunk accumulators (alternating); the last chunk's stays live into the next block
-        acc_kv = [cute.make_rmem_tensor(kv_shape, Float32) for _ in range(2)]
-        last_kv = wg_rows_cols(acc_kv[(n_chunks - 1) % 2])
-        last_col = (n_chunks - 1) * WG_CHUNK
-        last_limit = d if d < d_pad else None
-
         for t in cutlass.range(t_first, t_stop, t_step, unroll=1):
             n_slots = topk
             if cutlass.const_expr(self.compact):
@@ -660,12 +652,6 @@ class SparseMlaBwdMain:
                     if cutlass.const_expr(k < D_V // 16):
                         cute.gemm(mma_s, acc_dp, r_do[None, None, k], r_k[None, None, k], acc_dp)
                 warpgroup.commit_group()
-                if b > 0:  # the previous block's last dKV chunk, while S / dP run
-                    warpgroup.wait_group(1)  # a no-op (the chunk was waited for), but without
-                    # it ptxas injects a full wait here (it cannot see across the loop edge)
-                    self.scatter_block_chunk(last_kv, BLOCK_N - buf, kv_coords, lane, s_idx,
-                                             s_valid, s_rank, s_max_rank, dkv_base,
-                                             dkv_row_stride, last_col, last_limit)
                 warpgroup.wait_group(0)
 
                 acc_s_rc = wg_rows_cols(acc_s)
@@ -696,9 +682,18 @@ class SparseMlaBwdMain:
                 for k in cutlass.range_constexpr(BLOCK_N // 16):
                     cute.gemm(mma_dq, acc_dq, r_ds[None, None, k], r_kt[None, None, k], acc_dq)
                 warpgroup.commit_group()
-                row_ok, row_ptr, ranks, max_rank = self.dkv_rows(
-                    buf, kv_coords, lane, s_idx, s_valid, s_rank, s_max_rank, dkv_base,
-                    dkv_row_stride)
+                slots = self.dkv_slots(buf, kv_coords, lane)
+                row_ok = [s_valid[s] for s in slots]
+                row_ptr = [dkv_base + opaque_i64(Int64(s_idx[s]) * dkv_row_stride)
+                           for s in slots]
+                ranks = []
+                max_rank = Int32(0)
+                if cutlass.const_expr(det):  # phase 0 adds each slot that repeats no earlier one
+                    ranks = [s_rank[s] for s in slots]
+                    row_ok = [self.flag(ok, rk, Int32(0)) for ok, rk in zip(row_ok, ranks)]
+                    half = (b % 2) * 2
+                    max_rank = cutlass.max(s_max_rank[half], s_max_rank[half + 1])
+                acc_kv = [cute.make_rmem_tensor(kv_shape, Float32) for _ in range(2)]
                 for c in cutlass.range_constexpr(n_chunks):
                     acc = acc_kv[c % 2]
                     steps = [(r_dst[None, None, k], r_qt[c][None, None, k])
@@ -719,11 +714,10 @@ class SparseMlaBwdMain:
                     else:
                         self.scatter_ordered(wg_rows_cols(acc_kv[(c - 1) % 2]), kv_coords, row_ok,
                                              row_ptr, ranks, max_rank, (c - 1) * WG_CHUNK, lane)
-                warpgroup.wait_group(0)  # the last chunk: scattered under the next S / dP
-            if n_blocks > 0:  # ... or here after the row's last block
-                self.scatter_block_chunk(last_kv, ((n_blocks - 1) % 2) * BLOCK_N, kv_coords,
-                                         lane, s_idx, s_valid, s_rank, s_max_rank, dkv_base,
-                                         dkv_row_stride, last_col, last_limit)
+                warpgroup.wait_group(0)
+                self.scatter_ordered(wg_rows_cols(acc_kv[(n_chunks - 1) % 2]), kv_coords, row_ok,
+                                     row_ptr, ranks, max_rank, (n_chunks - 1) * WG_CHUNK, lane,
+                                     d if d < d_pad else None)
 
             # ---- epilogue: dq in bf16 --------------------------------------------------------
             cute.arch.cp_async_wait_group(0)
@@ -737,38 +731,6 @@ class SparseMlaBwdMain:
                 else:
                     if (c_dq[i][0] < heads) & (c_dq[i][1] < d):
                         t_g[i] = r_o[i]
-
-    @cute.jit
-    def dkv_rows(self, buf: Int32, kv_coords: cute.Tensor, lane: Int32, s_idx: cute.Tensor,
-                 s_valid: cute.Tensor, s_rank: cute.Tensor, s_max_rank: cute.Tensor,
-                 dkv_base: cute.Pointer, dkv_row_stride: Int64) -> tuple:
-        """The ``row_ok``, ``row_ptr``, ``ranks`` and ``max_rank`` arguments of
-        :meth:`scatter_ordered` for the block at ``buf`` of ``s_idx`` / ``s_valid`` (and, in
-        deterministic mode, ``s_rank`` / ``s_max_rank``)."""
-        slots = self.dkv_slots(buf, kv_coords, lane)
-        row_ok = [s_valid[s] for s in slots]
-        row_ptr = [dkv_base + opaque_i64(Int64(s_idx[s]) * dkv_row_stride) for s in slots]
-        ranks = []
-        max_rank = Int32(0)
-        if cutlass.const_expr(self.deterministic):  # phase 0: each slot repeating no earlier one
-            ranks = [s_rank[s] for s in slots]
-            row_ok = [self.flag(ok, rk, Int32(0)) for ok, rk in zip(row_ok, ranks)]
-            half = (buf // BLOCK_N) * 2
-            max_rank = cutlass.max(s_max_rank[half], s_max_rank[half + 1])
-        return row_ok, row_ptr, ranks, max_rank
-
-    @cute.jit
-    def scatter_block_chunk(self, acc: cute.Tensor, buf: Int32, kv_coords: cute.Tensor,
-                            lane: Int32, s_idx: cute.Tensor, s_valid: cute.Tensor,
-                            s_rank: cute.Tensor, s_max_rank: cute.Tensor, dkv_base: cute.Pointer,
-                            dkv_row_stride: Int64, col0: Int32,
-                            limit: cutlass.Constexpr = None) -> None:
-        """:meth:`scatter_ordered` of one dKV chunk of the block at ``buf``, its rows re-read from
-        shared memory (they stay there until the gather after the next block's dQ)."""
-        row_ok, row_ptr, ranks, max_rank = self.dkv_rows(buf, kv_coords, lane, s_idx, s_valid,
-                                                         s_rank, s_max_rank, dkv_base,
-                                                         dkv_row_stride)
-        self.scatter_ordered(acc, kv_coords, row_ok, row_ptr, ranks, max_rank, col0, lane, limit)
 
     @cute.jit
     def flag(self, ok: Int32, rank: Int32, phase: Int32) -> Int32:
