@@ -36,21 +36,19 @@ request per row; natural order needs four 32-byte ones, which made the L2 the bo
 453 M red requests against 113 M for the cuDNN frontend's kernel at S_q 2048, H 64, D 576,
 K 2048); the ``mma`` flavour adds value pairs. ``atomic_width`` selects 2- or 1-wide ones.
 
-Measured on an H200 (S_q 4096, S_kv 8192, K 2048, H 64, D_qk 576): 11.4 ms (2-wide atomics
-11.2 ms, 1-wide 18.9 ms); without the dKV GEMMs and their atomics 5.5 ms. ``scatter=False``
-skips only the atomics (a timing ablation; ``dkv_acc`` stays untouched).
+``scatter=False`` skips only the atomics (a timing ablation; ``dkv_acc`` stays untouched).
 
-``impl="wgmma"`` (sm_90a only, opt-in): the same algorithm with two warpgroups issuing ``wgmma``
+``impl="wgmma"`` (sm_90a only; the default there at H64/H128): the same algorithm with two warpgroups issuing ``wgmma``
 from shared memory (K-major tiles, and MN-major views of the same bytes for the transposed
 operands); dq and dkv advance 128 columns per step (D_qk 576 is padded to 640: the padding
 columns read the neighbouring buffer, land in accumulator columns >= 576 and are never stored),
 and the dkv chunk GEMMs alternate between two accumulators so chunk c's MMAs overlap chunk
 c - 1's atomics. The first k-step of the S, dP and dKV chunk GEMMs overwrites its accumulator
 (wgmma scale-d 0: no zero-fill); only ``dq``'s is zero-filled, once per row. S and dP issue
-their k-steps interleaved (one K descriptor feeds both). On the H200 it passes
-``tests/test_cutedsl_bwd_main.py -m gpu`` (every case and edge case) and runs 10.7 ms at H64
-D576 K2048 and 9.7 ms at H128 D512 K1024 (``mma``: 11.5 and 10.4; without the atomics 6.4 ms
-against 9.2); it stays opt-in until it has also run through the public API and the benchmark.
+their k-steps interleaved (one K descriptor feeds both). Through the public API on an H200
+(S_q 4096, S_kv 8192, ``bench/results/h200_bwd.md``): 8.49 ms at H64 D576 K2048 and 7.96 ms at
+H128 D512 K1024 (``mma``: 14.1 ms at H64 D576); ``bench/results/h200_bwd_versions.md`` has the
+history and what limits it.
 
 This module imports ``cutlass``: use it in a build process only.
 """
