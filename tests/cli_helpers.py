@@ -1,4 +1,4 @@
-"""Helpers shared by the end-to-end tests: run the CLI in a subprocess, read a cubin's SM."""
+"""Helpers shared by the tests: run the CLI or a CuTe DSL script in a subprocess, read a cubin."""
 
 from __future__ import annotations
 
@@ -35,3 +35,37 @@ def embedded_cubin(obj: bytes) -> bytes:
     shoff, = struct.unpack_from("<Q", obj, start + 0x28)
     shentsize, shnum = struct.unpack_from("<HH", obj, start + 0x3A)
     return obj[start:start + shoff + shentsize * shnum]
+
+
+def run_dsl_script(code: str, folder: Path, arch: str = "sm_90a",
+                   timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter with ``CUTE_DSL_ARCH=arch`` (the DSL reads it once, at
+    import), from a file in ``folder``: ``cute.jit`` reads its functions' source."""
+    script = folder / "dsl_script.py"
+    script.write_text(code)
+    env = dict(os.environ, CUTE_DSL_ARCH=arch)
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                          timeout=timeout, check=False)
+
+
+def cubin_resources(cubin: bytes) -> dict[str, int]:
+    """REGCOUNT (``regs``, attribute 0x2f) and FRAME_SIZE (``frame``, 0x11, local memory such as
+    spills) of the cubin's kernel, from its ``.nv.info`` sections."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names_at = heads[shstrndx][4]
+    found: dict[str, int] = {}
+    for name, _, _, _, off, size, *_ in heads:
+        sec = cubin[names_at + name:cubin.index(b"\0", names_at + name)].decode()
+        if not sec.startswith(".nv.info"):
+            continue
+        pos = off
+        while pos < off + size:
+            fmt, attr = cubin[pos], cubin[pos + 1]
+            length = struct.unpack_from("<H", cubin, pos + 2)[0] if fmt == 4 else 0
+            payload = cubin[pos + 4:pos + 4 + length]
+            pos += 4 + length
+            if attr in (0x2f, 0x11):
+                found["regs" if attr == 0x2f else "frame"] = struct.unpack_from("<II", payload)[1]
+    return found

@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 import torch
 
+from cli_helpers import run_dsl_script
 from dsa_aot.backends.cutedsl.build import BuildRequest, build_cutedsl, requests_for
 from dsa_aot.backends.cutedsl.records import CuteExportRecord, bwd_main_default_impl
 from dsa_aot.kernels.dkv_interleave import natural_order
@@ -163,7 +164,7 @@ def test_libraries_open_without_cutlass(cpu_built: tuple[Path, list[CuteExportRe
 
 
 @_needs_dsl
-def test_bad_params_are_refused() -> None:
+def test_bad_params_are_refused(tmp_path: Path) -> None:
     code = ("from dsa_aot.kernels.cutedsl_bwd_main import can_implement, check_params\n"
             "assert can_implement(576, 64, 'compact') and can_implement(512, 16, 'noncompact')\n"
             "for bad in [(448, 64, 'compact'), (576, 24, 'compact'), (512, 64, 'paged')]:\n"
@@ -174,9 +175,7 @@ def test_bad_params_are_refused() -> None:
     code += ("from dsa_aot.kernels.cutedsl_bwd_main import compile_bwd_main\n"
              "try:\n    compile_bwd_main('sm_100a', 576, 64, 'compact', impl='wgmma')\n"
              "except ValueError as e:\n    print('refused', e)\n")
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=300, check=False)
+    proc = run_dsl_script(code, tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert proc.stdout.count("refused") == 4
 
@@ -214,11 +213,7 @@ check()
 def test_wgmma_transposed_views_alias_the_tiles(tmp_path: Path) -> None:
     """The MN-major operand views of the wgmma flavour address exactly the K-major tiles' bytes
     (element by element), and the padding columns stay inside the next 64 x 64 buffer."""
-    script = tmp_path / "views.py"
-    script.write_text(_VIEW_CHECK)
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          env=env, timeout=600, check=False)
+    proc = run_dsl_script(_VIEW_CHECK, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.split("\n")
     counts = [line for line in lines if line.split(" ")[0] in ("q", "pad", "dout", "p")]

@@ -14,15 +14,13 @@ a ``tile.flavour = "wgmma_slot_major"`` bwd spec builds through the production p
 from __future__ import annotations
 
 import importlib.util
-import os
-import struct
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from cli_helpers import embedded_cubin
+from cli_helpers import cubin_resources, embedded_cubin, run_dsl_script
 from dsa_aot.backends import get as get_backend
 from dsa_aot.backends.cutedsl.build import BuildRequest, build_cutedsl, requests_for
 from dsa_aot.backends.cutedsl.records import BWD_SLOT_MAJOR_HEADS, CuteExportRecord, bwd_main_default_impl
@@ -146,10 +144,8 @@ for args, kw in [(('sm_100a', 576, 16, 'compact'), {}), (('sm_90a', 576, 64, 'co
 
 
 @_needs_dsl
-def test_kernel_refuses_what_it_cannot_build() -> None:
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
-    proc = subprocess.run([sys.executable, "-c", _KERNEL_CHECKS], capture_output=True, text=True,
-                          env=env, timeout=300, check=False)
+def test_kernel_refuses_what_it_cannot_build(tmp_path: Path) -> None:
+    proc = run_dsl_script(_KERNEL_CHECKS, tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
     lines = proc.stdout.splitlines()
     assert len(lines) == 4, proc.stdout
@@ -188,11 +184,7 @@ def test_operand_views_alias_the_tiles_and_shared_memory_fits(tmp_path: Path) ->
     """The MN-major views (``q_t``, ``dout_t``, ``kv_t``, ``ds_t``) address exactly the K-major
     tiles' elements, under one swizzle; one CTA's shared memory (plus the 1 KiB the compiler
     reserves) fits an sm_90a CTA."""
-    script = tmp_path / "views.py"
-    script.write_text(_VIEW_CHECK)
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          env=env, timeout=600, check=False)
+    proc = run_dsl_script(_VIEW_CHECK, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line.split() for line in proc.stdout.splitlines()]
     counts = [line for line in lines if line[0] in ("q", "ds", "kv", "dout")]
@@ -200,28 +192,6 @@ def test_operand_views_alias_the_tiles_and_shared_memory_fits(tmp_path: Path) ->
     smem = {(int(line[1]), int(line[2])): int(line[3]) for line in lines if line[0] == "smem"}
     assert len(smem) == 4 and max(smem.values()) + 1024 <= SMEM_LIMIT, smem
     assert smem[(576, 32)] == max(smem.values())
-
-
-def _kernel_resources(cubin: bytes) -> dict[str, int]:
-    """REGCOUNT (0x2f) and FRAME_SIZE (0x11) of the cubin's one kernel (``.nv.info`` sections)."""
-    shoff, = struct.unpack_from("<Q", cubin, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
-    heads = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
-    names_at = heads[shstrndx][4]
-    found: dict[str, int] = {}
-    for name, _, _, _, off, size, *_ in heads:
-        sec = cubin[names_at + name:cubin.index(b"\0", names_at + name)].decode()
-        if not sec.startswith(".nv.info"):
-            continue
-        pos = off
-        while pos < off + size:
-            fmt, attr = cubin[pos], cubin[pos + 1]
-            length = struct.unpack_from("<H", cubin, pos + 2)[0] if fmt == 4 else 0
-            payload = cubin[pos + 4:pos + 4 + length]
-            pos += 4 + length
-            if attr in (0x2f, 0x11):
-                found["regs" if attr == 0x2f else "frame"] = struct.unpack_from("<II", payload)[1]
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +229,7 @@ def test_cubins_spill_nothing(built: tuple[Path, dict[str, CuteExportRecord]]) -
     out, records = built
     for d_qk, heads, layout in VARIANTS:
         rec = records[_name(d_qk, heads, layout)]
-        found = _kernel_resources(embedded_cubin((out / rec.name / rec.object_file).read_bytes()))
+        found = cubin_resources(embedded_cubin((out / rec.name / rec.object_file).read_bytes()))
         assert found.get("frame") == 0 and 0 < found.get("regs", 0) <= MAX_REGS, (rec.name, found)
 
 
