@@ -692,30 +692,11 @@ class SparseMlaBwdMain:
                     half = (b % 2) * 2
                     max_rank = cutlass.max(s_max_rank[half], s_max_rank[half + 1])
                 acc_kv = [cute.make_rmem_tensor(kv_shape, Float32) for _ in range(2)]
-                for c in cutlass.range_constexpr(n_chunks):
-                    acc = acc_kv[c % 2]
-                    steps = [(r_dst[None, None, k], r_qt[c][None, None, k])
-                             for k in range(BLOCK_H // 16)]
-                    if cutlass.const_expr(c < n_v_chunks):
-                        steps += [(r_pt[None, None, k], r_dot[c][None, None, k])
-                                  for k in range(BLOCK_H // 16)]
-                    warpgroup.fence()
-                    wg_gemm(mma_kv, acc, steps, False)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(1)  # dQ (c = 0) or chunk c - 1 is done
-                    if cutlass.const_expr(c == 0):
-                        cute.arch.barrier()  # both warpgroups are past dQ: the KV tile is free
-                        if b + 1 < n_blocks:
-                            self.gather(upcoming, BLOCK_N - buf, s_kv, t_g_kv, kv_row_stride,
-                                        t_s_kv, s_idx, s_valid, gmem_copy, row_in_pass, tidx)
-                        cute.arch.cp_async_commit_group()
-                    else:
-                        self.scatter_ordered(wg_rows_cols(acc_kv[(c - 1) % 2]), kv_coords, row_ok,
-                                             row_ptr, ranks, max_rank, (c - 1) * WG_CHUNK, lane)
-                warpgroup.wait_group(0)
-                self.scatter_ordered(wg_rows_cols(acc_kv[(n_chunks - 1) % 2]), kv_coords, row_ok,
-                                     row_ptr, ranks, max_rank, (n_chunks - 1) * WG_CHUNK, lane,
-                                     d if d < d_pad else None)
+                self.dkv_chunks(mma_kv, acc_kv, r_dst, r_pt, r_qt, r_dot, BLOCK_H // 16, WG_CHUNK,
+                                kv_coords, row_ok, row_ptr, ranks, max_rank, lane,
+                                d if d < d_pad else None, b + 1 < n_blocks,
+                                [upcoming, BLOCK_N - buf, s_kv, t_g_kv, kv_row_stride, t_s_kv,
+                                 s_idx, s_valid, gmem_copy, row_in_pass, tidx])
 
             # ---- epilogue: dq in bf16 --------------------------------------------------------
             cute.arch.cp_async_wait_group(0)
@@ -758,6 +739,40 @@ class SparseMlaBwdMain:
                 rank = cutlass.max(rank, cute.arch.shuffle_sync_bfly(rank, offset=offset))
             if lane == 0:
                 s_max_rank[(buf // BLOCK_N) * 2 + tidx // 32] = rank
+
+    @cute.jit
+    def dkv_chunks(self, mma_kv: cute.TiledMma, acc_kv: list, ds_a: cute.Tensor, p_a: cute.Tensor,
+                   q_b: list, dout_b: list, k_steps: cutlass.Constexpr, chunk: cutlass.Constexpr,
+                   coords: cute.Tensor, row_ok: list, row_ptr: list, ranks: list, max_rank: Int32,
+                   lane: Int32, limit: cutlass.Constexpr, more: cutlass.Boolean,
+                   gather_next: list) -> None:
+        """One block's ``dKV = dS^T Q + P^T dO`` column chunks (``chunk`` columns each, ``len(q_b)``
+        of them; ``P^T dO`` in the first ``len(dout_b)``), the wgmmas alternating between the two
+        accumulators of ``acc_kv`` so that chunk ``c``'s MMAs overlap chunk ``c - 1``'s atomics.
+        The dQ wgmmas were committed just before: once they are done (the first chunk's wait) the
+        KV tile is free, and the next block's gather (:meth:`gather` with ``gather_next``) is
+        issued when ``more``. The last chunk's columns from ``limit`` on are not stored."""
+        n_chunks = len(q_b)
+        for c in cutlass.range_constexpr(n_chunks):
+            acc = acc_kv[c % 2]
+            steps = [(ds_a[None, None, k], q_b[c][None, None, k]) for k in range(k_steps)]
+            if cutlass.const_expr(c < len(dout_b)):
+                steps += [(p_a[None, None, k], dout_b[c][None, None, k]) for k in range(k_steps)]
+            warpgroup.fence()
+            wg_gemm(mma_kv, acc, steps, False)  # the first step overwrites (no zero-fill)
+            warpgroup.commit_group()
+            warpgroup.wait_group(1)  # dQ (c = 0) or chunk c - 1 is done
+            if cutlass.const_expr(c == 0):
+                cute.arch.barrier()  # both warpgroups are past dQ: the KV tile is free
+                if more:
+                    self.gather(*gather_next)
+                cute.arch.cp_async_commit_group()
+            else:
+                self.scatter_ordered(wg_rows_cols(acc_kv[(c - 1) % 2]), coords, row_ok, row_ptr,
+                                     ranks, max_rank, (c - 1) * chunk, lane)
+        warpgroup.wait_group(0)
+        self.scatter_ordered(wg_rows_cols(acc_kv[(n_chunks - 1) % 2]), coords, row_ok, row_ptr,
+                             ranks, max_rank, (n_chunks - 1) * chunk, lane, limit)
 
     @cute.jit
     def scatter_ordered(self, acc: cute.Tensor, coords: cute.Tensor, row_ok: list,

@@ -61,7 +61,7 @@ from cutlass.utils import hopper_helpers as sm90_utils
 from dsa_aot.kernels import cutedsl_bwd_main as main
 from dsa_aot.kernels.cutedsl_bwd_main import (LOG2E, SparseMlaBwdMain, SparseMlaBwdMainCompact,
                                               SparseMlaBwdMainNoncompact, fake_arguments,
-                                              opaque_i64, wg_gemm)
+                                              opaque_i64)
 from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, LAYOUTS, VEC, wg_acc_as_a,
                                             wg_rows_cols)
 
@@ -367,29 +367,12 @@ class SparseMlaBwdSlotMajor(SparseMlaBwdMain):
             row_ok = [s_valid[s] for s in slots]
             row_ptr = [m_dkv.iterator + opaque_i64(Int64(s_idx[s]) * m_dkv.stride[0])
                        for s in slots]
-            for c in cutlass.range_constexpr(n_tiles):
-                acc = acc_kv[c % 2]
-                steps = [(r_dsa[None, None, k], r_qt[c][None, None, k])
-                         for k in range(heads // 16)]
-                if cutlass.const_expr(c < n_v_chunks):
-                    steps += [(r_pa[None, None, k], r_dot[c][None, None, k])
-                              for k in range(heads // 16)]
-                warpgroup.fence()
-                wg_gemm(mma_kv, acc, steps, False)  # the first step overwrites (no zero-fill)
-                warpgroup.commit_group()
-                warpgroup.wait_group(1)  # dQ^T (c = 0) or chunk c - 1 is done
-                if cutlass.const_expr(c == 0):
-                    cute.arch.barrier()  # both warpgroups are past dQ^T: the KV tile is free
-                    if b + 1 < n_blocks:
-                        self.gather(upcoming, SLOTS - buf, s_kv, t_g_kv, kv_row_stride, t_s_kv,
-                                    s_idx, s_valid, gmem_copy, row_in_pass, tidx)
-                    cute.arch.cp_async_commit_group()
-                else:
-                    self.scatter_chunk(wg_rows_cols(acc_kv[(c - 1) % 2]), kv_coords, row_ok,
-                                       row_ptr, (c - 1) * TILE, lane)
-            warpgroup.wait_group(0)
-            self.scatter_chunk(wg_rows_cols(acc_kv[(n_tiles - 1) % 2]), kv_coords, row_ok,
-                               row_ptr, (n_tiles - 1) * TILE, lane)
+            # dKV chunks (A: dS^T / P^T from registers); the next gather waits for dQ^T only
+            self.dkv_chunks(mma_kv, acc_kv, r_dsa, r_pa, r_qt, r_dot, heads // 16, TILE,
+                            kv_coords, row_ok, row_ptr, [], Int32(0), lane, None,
+                            b + 1 < n_blocks,
+                            [upcoming, SLOTS - buf, s_kv, t_g_kv, kv_row_stride, t_s_kv, s_idx,
+                             s_valid, gmem_copy, row_in_pass, tidx])
 
         # ---- epilogue: dq[t, h, d] = dQ^T[d, h] in bf16 ----------------------------------------
         cute.arch.cp_async_wait_group(0)
