@@ -2,7 +2,7 @@
 
 Same contract as :mod:`dsa_aot.kernels.cutedsl_fwd` (and :mod:`dsa_aot.kernels.reference`):
 one CTA of 384 threads per query row and block of 64 heads (H < 64: extra rows of Q zero-filled
-and never stored; H = 128: two CTAs per row), any ``K >= 1``, both layouts, D_qk 512 or 576.
+and never stored; H = 128: two CTAs per row, neighbours in the grid), any ``K >= 1``, both layouts, D_qk 512 or 576.
 
 Warpgroups and shared memory:
 
@@ -129,7 +129,7 @@ class SparseMlaFwdSplit:
                               softmax_scale * Float32(LOG2E), s_q_layout, s_kv_layout,
                               s_v_layout, s_p_layout, q_copy, kv_copy, mma_s, mma_pv, mma_pv_rs,
                               SharedStorage).launch(
-                grid=[s_q, (self.heads + BLOCK_H - 1) // BLOCK_H, 1],
+                grid=[s_q * head_blocks(self.heads), 1, 1],
                 block=[SPLIT_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
     # ---------------------------------------------------------------------------------------
@@ -149,7 +149,7 @@ class SparseMlaFwdSplit:
         mma_pv.set(warpgroup.Field.ACCUMULATE, True)
         mma_pv_rs.set(warpgroup.Field.ACCUMULATE, True)
         tidx, _, _ = cute.arch.thread_idx()
-        t, hb, _ = cute.arch.block_idx()
+        t, hb = row_and_head_block(self.heads)
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         topk = cute.size(m_idx, mode=[1])
         n_valid = topk
@@ -443,6 +443,22 @@ class SparseMlaFwdSplit:
             row_sum[r] = row_sum[r] * corr + psum
             row_max[r] = m_new[r]
             acc_o_mn[r, None] = acc_o_mn[r, None].load() * corr
+
+
+def head_blocks(heads: int) -> int:
+    """CTAs per query row: one per block of 64 heads."""
+    return (heads + BLOCK_H - 1) // BLOCK_H
+
+
+def row_and_head_block(heads: int) -> tuple:
+    """This CTA's query row and head block (call while tracing a kernel). The head blocks of a row are neighbouring CTAs,
+    so they run together and the second gather of the row's KV rows hits in L2."""
+    bid, _, _ = cute.arch.block_idx()
+    n = head_blocks(heads)
+    t, hb = bid, Int32(0)
+    if cutlass.const_expr(n > 1):
+        t, hb = bid // n, bid % n
+    return t, hb
 
 
 def half_tiles(half: int, d_qk: int) -> tuple[int, int]:
