@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import operator
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -120,21 +121,31 @@ class CubinFwd(FwdKernel):
 class CuteFwd(FwdKernel):
     """The forward as one exported CuTe DSL kernel (tensors by name, ``softmax_scale`` by value)."""
 
+    #: The tensors a forward call has, in the order :meth:`__call__` collects them.
+    TENSORS = ("q", "kv", "topk_idxs", "topk_length", "attn_sink", "out", "lse")
+
     def __init__(self, kernel: CuteDslKernel, spec: KernelSpec) -> None:
         self.kernel = kernel
         self.spec = spec
         self._names = kernel.tensor_names
+        self._pick = _picker(self.TENSORS, self._names)
 
     def __call__(self, q, kv, topk_idxs, topk_length, attn_sink, softmax_scale):
         s_q, heads, _ = q.shape
         dev = q.device
         out = torch.empty((s_q, heads, D_V), dtype=torch.bfloat16, device=dev)
         lse = torch.empty((s_q, heads), dtype=torch.float32, device=dev)
-        tensors = {"q": q, "kv": kv, "topk_idxs": topk_idxs, "topk_length": topk_length,
-                   "attn_sink": attn_sink, "out": out, "lse": lse}
-        self.kernel(*[tensors[n] for n in self._names], stream=current_stream(dev),
-                    softmax_scale=softmax_scale)
+        self.kernel(*self._pick((q, kv, topk_idxs, topk_length, attn_sink, out, lse)),
+                    stream=current_stream(dev), softmax_scale=softmax_scale)
         return out, lse
+
+
+def _picker(order: tuple[str, ...], names: list[str]) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+    """``values -> the values of names``, ``values`` given in ``order``, in one C call."""
+    index = [order.index(n) for n in names]
+    if len(index) == 1:
+        return lambda values: (values[index[0]],)
+    return operator.itemgetter(*index)
 
 
 #: A loaded backward stage: a cubin (pointer/scalar arguments by name) or an exported CuTe
@@ -150,13 +161,19 @@ class StagedBwd(BwdKernel):
     cubin and a CuTe DSL stage mix freely.
     """
 
+    #: The tensors a backward call has, in the order :meth:`__call__` collects them.
+    TENSORS = ("q", "kv", "out", "dout", "lse", "topk_idxs", "topk_length", "attn_sink", "delta",
+               "lse_sink", "dq", "dkv", "dkv_acc", "d_sink_acc", "d_sink")
+
     def __init__(self, pre: BwdStage, main: BwdStage, post: BwdStage, spec: KernelSpec) -> None:
         from dsa_aot.backends.tilelang.launch import CubinKernel  # ctypes only; no compiler
 
         self.pre, self.main, self.post = pre, main, post
         self.spec = spec
-        self._stages = [(k, None if isinstance(k, CubinKernel) else (k.tensor_names, k.scalar_names))
+        self._stages = [(k, None if isinstance(k, CubinKernel)
+                         else (_picker(self.TENSORS, k.tensor_names), k.scalar_names))
                         for k in (pre, main, post)]
+        self._cubin = any(names is None for _, names in self._stages)
 
     def __call__(self, q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, softmax_scale):
         s_q, heads, d_qk = q.shape
@@ -166,29 +183,33 @@ class StagedBwd(BwdKernel):
         lse_sink = torch.empty((s_q, heads), dtype=torch.float32, device=dev)
         dq = torch.empty_like(q)
         dkv = torch.empty((s_kv, d_qk), dtype=torch.bfloat16, device=dev)
-        tensors = {"q": q, "kv": kv, "out": out, "dout": dout, "lse": lse, "topk_idxs": topk_idxs,
-                   "topk_length": topk_length, "attn_sink": attn_sink, "delta": delta,
-                   "lse_sink": lse_sink, "dq": dq, "dkv": dkv}
         if self.spec.deterministic:
             from dsa_aot import settings
 
             shards, parts = deterministic_split(_sm_count(dev), s_q, s_kv, heads, d_qk,
                                                 settings.get().deterministic_workspace_bytes)
-            tensors["dkv_acc"] = torch.zeros((shards, s_kv, d_qk), dtype=torch.float32, device=dev)
-            tensors["d_sink_acc"] = torch.empty((parts, heads), dtype=torch.float32, device=dev)
-            tensors["d_sink"] = torch.empty((heads,), dtype=torch.float32, device=dev)
+            dkv_acc = torch.zeros((shards, s_kv, d_qk), dtype=torch.float32, device=dev)
+            d_sink_acc = torch.empty((parts, heads), dtype=torch.float32, device=dev)
+            d_sink = torch.empty((heads,), dtype=torch.float32, device=dev)
         else:
-            tensors["dkv_acc"] = torch.zeros((s_kv, d_qk), dtype=torch.float32, device=dev)
-            tensors["d_sink"] = torch.zeros((heads,), dtype=torch.float32, device=dev)
-        args: dict[str, int | float] = {name: _ptr(t) for name, t in tensors.items()}
-        args.update(softmax_scale=softmax_scale, s_q=s_q, s_kv=s_kv, topk=topk_idxs.shape[1])
+            dkv_acc = torch.zeros((s_kv, d_qk), dtype=torch.float32, device=dev)
+            d_sink_acc = None
+            d_sink = torch.zeros((heads,), dtype=torch.float32, device=dev)
+        tensors = (q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, delta, lse_sink, dq, dkv,
+                   dkv_acc, d_sink_acc, d_sink)
+        scalars = {"softmax_scale": softmax_scale, "s_q": s_q, "s_kv": s_kv, "topk": topk_idxs.shape[1]}
+        args: dict[str, int | float] = {}
+        if self._cubin:  # cubin stages take every pointer by name
+            args = {name: _ptr(t) for name, t in zip(self.TENSORS, tensors)
+                    if t is not None or name != "d_sink_acc"}
+            args.update(scalars)
         stream = current_stream(dev)
         for kernel, names in self._stages:
             if names is None:
                 kernel.launch(stream, args)
             else:
-                kernel(*[tensors[n] for n in names[0]], stream=stream, **{n: args[n] for n in names[1]})
-        return dq, dkv, tensors["d_sink"]
+                kernel(*names[0](tensors), stream=stream, **{n: scalars[n] for n in names[1]})
+        return dq, dkv, d_sink
 
 
 #: Heads per CTA of the deterministic main kernel (its shards come in groups of H / 64 blocks).

@@ -21,12 +21,14 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import numbers
+import operator
 import os
 import struct
 import sys
 import threading
 import tempfile
 import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,8 +45,6 @@ from dsa_aot.backends.cutedsl.records import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     import torch
 
     from dsa_aot.artifact import ArtifactManifest
@@ -149,6 +149,9 @@ class CallFrame:
     array the entry takes follows it, pointing at each value and at the result.
     """
 
+    #: Idle buffers kept for reuse per frame (more only while that many calls run at once).
+    POOL = 16
+
     def __init__(self, args: tuple[TensorArgRecord | StreamArgRecord | ScalarArgRecord, ...]
                  ) -> None:
         def ctype_of(a: TensorArgRecord | StreamArgRecord | ScalarArgRecord) -> Any:
@@ -189,18 +192,45 @@ class CallFrame:
         self.argv_format = f"={len(self.offsets)}Q"
         self.ret_offset = self.offsets[-1]
         self.size = self.argv_offset + 8 * len(self.offsets)
+        self._values = struct.Struct(fmt)
+        self._argv = struct.Struct(self.argv_format)
+        self._count = ctypes.c_int32(len(self.offsets))
+        self._free: list[tuple[ctypes.Array[ctypes.c_char], ctypes.c_void_p, ctypes.c_int32]] = []
+
+    def _buffer(self) -> tuple[ctypes.Array[ctypes.c_char], int]:
+        """A zeroed buffer with its argv array filled in, and the argv's address."""
+        buf = ctypes.create_string_buffer(self.size)
+        base = ctypes.addressof(buf)
+        self._argv.pack_into(buf, self.argv_offset, *[base + off for off in self.offsets])
+        return buf, base + self.argv_offset
 
     def pack(self, values: list[int]) -> tuple[ctypes.Array[ctypes.c_char], int]:
         """A buffer holding ``values`` (then the result, 0) and the argv array; its argv address."""
-        buf = ctypes.create_string_buffer(self.size)
-        base = ctypes.addressof(buf)
-        struct.pack_into(self.format, buf, 0, *values, 0)
-        struct.pack_into(self.argv_format, buf, self.argv_offset,
-                         *[base + off for off in self.offsets])
-        return buf, base + self.argv_offset
+        buf, argv = self._buffer()
+        self._values.pack_into(buf, 0, *values, 0)
+        return buf, argv
 
     def result(self, buf: ctypes.Array[ctypes.c_char]) -> int:
         return struct.unpack_from("=i", buf, self.ret_offset)[0]
+
+    def call(self, entry: Any, values: tuple[Any, ...]) -> int:
+        """Run ``entry(argv, n)`` on ``values`` (the result's 0 last) and return the result.
+
+        The buffer comes from a pool (its argv array is written once): the entry reads it
+        during the call only, and a concurrent or nested call takes another buffer.
+        """
+        try:
+            slot = self._free.pop()
+        except IndexError:
+            buf, argv = self._buffer()
+            slot = (buf, ctypes.c_void_p(argv), ctypes.c_int32.from_buffer(buf, self.ret_offset))
+        buf, argv, ret = slot
+        self._values.pack_into(buf, 0, *values)
+        entry(argv, self._count)
+        result = ret.value
+        if len(self._free) < self.POOL:
+            self._free.append(slot)
+        return result
 
 
 class _TensorPlan:
@@ -238,7 +268,15 @@ class CuteDslKernel:
 
     Construct through :func:`load_kernel` (one instance per library file per process: the
     library's loaded-cubin state is process-global).
+
+    Each validated layout is remembered: a call whose tensors have the dtypes, shapes, strides
+    and devices of an earlier good call skips the per-dimension checks and reads only the data
+    pointers (their alignment is checked on every call). At most :attr:`LAYOUTS` layouts are
+    kept, the oldest dropped first.
     """
+
+    #: Validated layouts kept per kernel.
+    LAYOUTS = 64
 
     def __init__(self, artifact_dir: Path, record: CuteExportRecord, *,
                  runtime_lib: Path | None = None, verify_runtime: bool = True) -> None:
@@ -259,19 +297,31 @@ class CuteDslKernel:
             raise CuteRuntimeError(f"{lib_path} lacks an exported symbol: {exc}") from exc
         for fn in (self._init, self._load):
             fn.argtypes, fn.restype = [ctypes.c_void_p], None
-        self._entry.argtypes, self._entry.restype = [ctypes.c_void_p, ctypes.c_int32], None
+        # called with a c_void_p and a c_int32 (CallFrame.call): no per-call conversion
+        self._entry.argtypes, self._entry.restype = None, None
         self._plans = [_TensorPlan(a) for a in record.args if a.kind == "tensor"]
         self._names = [p.name for p in self._plans]
         self._scalar_names = [a.name for a in record.args if a.kind == "scalar"]
-        # where each stream / scalar value goes among the frame's values, in record order
-        self._inserts: list[tuple[int, str | None]] = []
-        count = 0
+        self._scalar_set = frozenset(self._scalar_names)
+        # the frame's values come from [*pointers, stream, *scalars, *layout values, 0]
+        n_tensors, n_scalars = len(self._plans), len(self._scalar_names)
+        order: list[int] = []
+        layout_index = n_tensors + 1 + n_scalars
         for a in record.args:
             if a.kind == "tensor":
-                count += 1 + len(a.dynamic_shape_dims) + len(a.dynamic_stride_dims)
+                order.append(self._names.index(a.name))
+                dims = len(a.dynamic_shape_dims) + len(a.dynamic_stride_dims)
+                order += range(layout_index, layout_index + dims)
+                layout_index += dims
+            elif a.kind == "scalar":
+                order.append(n_tensors + 1 + self._scalar_names.index(a.name))
             else:
-                self._inserts.append((count, a.name if a.kind == "scalar" else None))
-                count += 1
+                order.append(n_tensors)
+        order.append(layout_index)  # the result slot
+        self._order = _picker(order)
+        self._aligns = [p.align for p in self._plans]
+        self._layouts: dict[tuple[Any, ...], tuple[int, tuple[int, ...]]] = {}
+        self._layouts_lock = threading.Lock()
         self.frame = CallFrame(record.args)
         self._library = ctypes.c_void_p()  # cudaLibrary_t, written by init
         self._library_ptr = ctypes.c_void_p(ctypes.addressof(self._library))
@@ -317,19 +367,29 @@ class CuteDslKernel:
         """Launch with tensors in record order (positional) or by name, and every run-time
         scalar by name (``softmax_scale=...``); ``stream`` is a ``cudaStream_t`` as an int
         (default: torch's current stream on the tensors' device)."""
-        values = self.scalar_values({k: kwargs.pop(k) for k in list(kwargs)
-                                     if k in self._scalar_names})
-        device, scalars = self.marshal(self._bind(args, kwargs))
-        self.prepare(device)
+        scalars = None
+        if kwargs.keys() == self._scalar_set:  # the usual call: every scalar a float, no names
+            scalars = [kwargs[n] for n in self._scalar_names]
+            for value in scalars:
+                if type(value) is not float:
+                    scalars = None
+                    break
+        if scalars is None:
+            values = self.scalar_values({k: kwargs.pop(k) for k in list(kwargs)
+                                         if k in self._scalar_set})
+            scalars = [values[n] for n in self._scalar_names]
+            tensors = self._bind(args, kwargs)
+        else:
+            tensors = args if len(args) == len(self._names) else self._bind(args, {})
+        device, layout = self._layout(tensors)
+        pointers = self._pointers(tensors)
+        if device not in self._devices:
+            self.prepare(device)
         if stream is None:
             import torch
 
             stream = torch.cuda.current_stream(device).cuda_stream
-        for index, name in self._inserts:  # ascending positions, so earlier inserts count
-            scalars.insert(index, stream if name is None else values[name])
-        buf, argv = self.frame.pack(scalars)
-        self._entry(argv, len(self.frame.offsets))
-        ret = self.frame.result(buf)
+        ret = self.frame.call(self._entry, self._order([*pointers, stream, *scalars, *layout]))
         if ret:
             raise CuteRuntimeError(f"{self.record.name}: launch failed with {_cuda_error(ret)}")
 
@@ -364,13 +424,56 @@ class CuteDslKernel:
             raise TypeError(f"{self.record.name}: missing tensors {missing}")
         return [bound[n] for n in names]
 
-    def marshal(self, tensors: list[Any]) -> tuple[int, list[int]]:
+    def marshal(self, tensors: Sequence[Any]) -> tuple[int, list[int]]:
         """Validate the tensors (record order) against the record and flatten them.
 
         Returns their common CUDA device and the frame's tensor scalars (per tensor: pointer,
         run-time sizes, run-time strides). Layout is checked before placement, so a wrong
         layout is reported without a GPU too.
         """
+        device, layout = self._layout(tensors)
+        pointers = self._pointers(tensors)
+        scalars: list[int] = []
+        start = 0
+        for plan, ptr in zip(self._plans, pointers):
+            end = start + len(plan.dyn_shape) + len(plan.dyn_stride)
+            scalars.append(ptr)
+            scalars += layout[start:end]
+            start = end
+        return device, scalars
+
+    def _layout(self, tensors: Sequence[Any]) -> tuple[int, tuple[int, ...]]:
+        """The tensors' device and run-time sizes and strides (frame order, then the result's
+        0): remembered per (dtype, shape, stride, device) of every tensor, else checked in full
+        by :meth:`_validate`. ``device`` rather than ``get_device()``: a non-CUDA tensor of the
+        same index never matches."""
+        key = tuple([(t.dtype, t.shape, t.stride(), t.device) for t in tensors])
+        try:
+            hit = self._layouts.get(key)
+        except TypeError:  # not hashable (not a torch tensor): check every call
+            return self._validate(tensors)
+        if hit is not None:
+            return hit
+        hit = self._validate(tensors)
+        with self._layouts_lock:
+            while len(self._layouts) >= self.LAYOUTS:
+                del self._layouts[next(iter(self._layouts))]
+            self._layouts[key] = hit
+        return hit
+
+    def _pointers(self, tensors: Sequence[Any]) -> list[int]:
+        """The data pointers, each checked against its argument's alignment."""
+        pointers = [t.data_ptr() for t in tensors]
+        if any(map(operator.mod, pointers, self._aligns)):
+            for plan, ptr in zip(self._plans, pointers):
+                if ptr % plan.align:
+                    raise ValueError(f"{self.record.name}: {plan.name}: data pointer must be "
+                                     f"{plan.align}-byte aligned")
+        return pointers
+
+    def _validate(self, tensors: Sequence[Any]) -> tuple[int, tuple[int, ...]]:
+        """Check every tensor's dtype, shape, strides, device and pointer alignment against the
+        record; returns what :meth:`_layout` does."""
         name = self.record.name
         sizes: dict[str, tuple[int, str]] = {}
         layouts = []
@@ -411,7 +514,7 @@ class CuteDslKernel:
                                      "the kernel's 32-bit sizes")
             layouts.append((shape, stride))
         device = -1
-        scalars: list[int] = []
+        values: list[int] = []
         for plan, t, (shape, stride) in zip(self._plans, tensors, layouts):
             if not t.is_cuda:
                 raise ValueError(f"{name}: {plan.name} must be a CUDA tensor, got {t.device}")
@@ -419,14 +522,20 @@ class CuteDslKernel:
             if device not in (-1, index):
                 raise ValueError(f"{name}: tensors are on devices {device} and {index}")
             device = index
-            ptr = t.data_ptr()
-            if ptr % plan.align:
+            if t.data_ptr() % plan.align:
                 raise ValueError(f"{name}: {plan.name}: data pointer must be {plan.align}-byte "
                                  "aligned")
-            scalars.append(ptr)
-            scalars += [shape[d] for d in plan.dyn_shape]
-            scalars += [stride[d] for d in plan.dyn_stride]
-        return device, scalars
+            values += [shape[d] for d in plan.dyn_shape]
+            values += [stride[d] for d in plan.dyn_stride]
+        values.append(0)
+        return device, tuple(values)
+
+
+def _picker(order: list[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """``items -> tuple(items[i] for i in order)`` in one C call."""
+    if len(order) == 1:
+        return lambda items: (items[order[0]],)
+    return operator.itemgetter(*order)
 
 
 _KERNELS: dict[str, CuteDslKernel] = {}
