@@ -119,7 +119,8 @@ class CubinFwd(FwdKernel):
 
 
 class CuteFwd(FwdKernel):
-    """The forward as one exported CuTe DSL kernel (tensors by name, ``softmax_scale`` by value)."""
+    """The forward as one exported CuTe DSL kernel (tensors by name, ``softmax_scale`` by value;
+    a persistent kernel also takes ``num_sms``, the GPU's SM count)."""
 
     #: The tensors a forward call has, in the order :meth:`__call__` collects them.
     TENSORS = ("q", "kv", "topk_idxs", "topk_length", "attn_sink", "out", "lse")
@@ -129,14 +130,19 @@ class CuteFwd(FwdKernel):
         self.spec = spec
         self._names = kernel.tensor_names
         self._pick = _picker(self.TENSORS, self._names)
+        self._persistent = "num_sms" in kernel.scalar_names
 
     def __call__(self, q, kv, topk_idxs, topk_length, attn_sink, softmax_scale):
         s_q, heads, _ = q.shape
         dev = q.device
         out = torch.empty((s_q, heads, D_V), dtype=torch.bfloat16, device=dev)
         lse = torch.empty((s_q, heads), dtype=torch.float32, device=dev)
-        self.kernel(*self._pick((q, kv, topk_idxs, topk_length, attn_sink, out, lse)),
-                    stream=current_stream(dev), softmax_scale=softmax_scale)
+        tensors = self._pick((q, kv, topk_idxs, topk_length, attn_sink, out, lse))
+        if self._persistent:
+            self.kernel(*tensors, stream=current_stream(dev), softmax_scale=softmax_scale,
+                        num_sms=_sm_count(dev))
+        else:
+            self.kernel(*tensors, stream=current_stream(dev), softmax_scale=softmax_scale)
         return out, lse
 
 

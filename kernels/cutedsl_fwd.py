@@ -1150,12 +1150,14 @@ class SparseMlaFwdNoncompact(SparseMlaFwd):
         self.launch(q, kv, topk_idxs, topk_idxs, attn_sink, out, lse, softmax_scale, stream)
 
 
-def fake_arguments(d_qk: int, heads: int, layout: str) -> dict[str, object]:
+def fake_arguments(d_qk: int, heads: int, layout: str,
+                   num_sms: bool = False) -> dict[str, object]:
     """Dynamic-shape stand-ins for every argument, in call order.
 
     ``s_q``, ``s_kv`` and ``topk`` are run-time; heads and head dims are compile-time. The last
     dim of every tensor is contiguous; row/head strides are run-time multiples of 8 elements for
-    bf16 tensors (16-byte aligned rows for ``cp.async``).
+    bf16 tensors (16-byte aligned rows for ``cp.async``). ``num_sms``: an ``int32`` scalar
+    ``num_sms`` (the GPU's SM count, which sizes a persistent grid) before the stream.
     """
     check_params(d_qk, heads, layout)
     s_q, s_kv, topk = run_time_sizes()
@@ -1173,8 +1175,10 @@ def fake_arguments(d_qk: int, heads: int, layout: str) -> dict[str, object]:
         "out": fake(BFloat16, (s_q, heads, D_V), (vec_stride(), vec_stride(), 1), 16),
         "lse": fake(Float32, (s_q, heads), (cute.sym_int64(), 1), 4),
         "softmax_scale": Float32(1.0),
-        "stream": cuda.CUstream(0),
     }
+    if num_sms:
+        args["num_sms"] = Int32(1)
+    args["stream"] = cuda.CUstream(0)
     return args
 
 
@@ -1200,7 +1204,7 @@ def compile_fwd(arch: str, d_qk: int, heads: int, layout: str, kv_stages: int | 
     kv_stages = kv_stages or default_kv_stages(impl)
     if impl != "mma" and arch != "sm_90a":
         raise ValueError(f"impl={impl!r} needs sm_90a, not {arch}; use impl='mma'")
-    fakes = fake_arguments(d_qk, heads, layout)
+    fakes = fake_arguments(d_qk, heads, layout, num_sms=impl == "wgmma_split")
     if impl == "wgmma_split":  # its own kernel class (two KV buffers, fixed)
         from dsa_aot.kernels.cutedsl_fwd_split import entry_class
 

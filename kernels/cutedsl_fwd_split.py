@@ -1,19 +1,24 @@
 """CuTe DSL sparse MLA forward, sm_90a flavour ``wgmma_split``: the score work split in two.
 
 Same contract as :mod:`dsa_aot.kernels.cutedsl_fwd` (and :mod:`dsa_aot.kernels.reference`):
-one CTA of 384 threads per query row and block of 64 heads (H < 64: extra rows of Q zero-filled
-and never stored; H = 128: two CTAs per row, neighbours in the grid), any ``K >= 1``, both layouts, D_qk 512 or 576.
+any ``K >= 1``, both layouts, D_qk 512 or 576. A *tile* is one query row and block of 64 heads
+(H < 64: extra rows of Q zero-filled and never stored; H = 128: two tiles per row). The grid is
+persistent: one CTA of 384 threads per SM (the run-time ``num_sms``), CTA ``b`` of ``G`` running
+tiles ``b, b + G, ...`` back to back, so the next tile's Q and first KV blocks are gathered while
+the consumers finish the current one; the head blocks of a row are neighbouring CTAs, which run
+together, so the second gather of the row's KV rows hits in L2.
 
 Warpgroups and shared memory:
 
-* warpgroup 2, the producer (``setmaxnreg`` 72), gathers the row's valid slots two blocks of 64
-  at a time: block ``2k`` into KV buffer 0, block ``2k + 1`` into KV buffer 1, each 64 x D_qk,
+* warpgroup 2, the producer (``setmaxnreg`` 72), per tile: loads the tile's Q (16-byte
+  ``cp.async``, ``q_ready`` mbarrier) once both consumers are done with the previous tile's Q
+  bytes (``q_free``), then gathers the row's valid slots two blocks of 64 at a time: block
+  ``2k`` into KV buffer 0, block ``2k + 1`` into KV buffer 1, each 64 x D_qk,
   128-byte swizzled, copied by 16-byte ``cp.async`` (an invalid slot, or one past the row's
   blocks, is zero-filled and flagged invalid). Each buffer is two halves with their own
   ``ready`` / ``free`` mbarriers: ``L`` = columns 0-255, ``R`` = columns 256-D_qk. The halves are
-  filled in the order the consumers free them: 0L, 1R, 0R, 1L. It starts right after the
-  mbarriers are initialised, while the consumers load Q (16-byte ``cp.async``, then a named
-  barrier of the 256 consumer threads);
+  filled in the order the consumers free them: 0L, 1R, 0R, 1L. The mbarrier phases run on
+  across tiles (a count of the block pairs done);
 * warpgroups 0 and 1 (``setmaxnreg`` 216) alternate the blocks: warpgroup ``w`` computes the
   whole 64 x 64 score tile ``S = Q K^T`` of buffer ``w`` (its own half first, so it starts
   before the other half lands), masks invalid slots to -inf, and runs the online softmax of
@@ -37,10 +42,13 @@ Warpgroups and shared memory:
   - warpgroup 1: ``S`` of block 2k + 1 (1R, then 1L); ``<- MAX0``; softmax with the pair's max;
     ``-> MAX1``; ``P`` to shared; ``-> P1``; ``O += P V1R``; ``<- P0``; ``O += P0 V0R``; free 1R;
     free 0R;
-* epilogue: the two row sums (each relative to the same final max) are added through shared
-  memory; ``lse = ln 2 * (M + log2(l))`` (sink excluded), ``out = O / l * w`` with the sink
-  weight ``w = 1 / (1 + exp(sink - lse))``; a row without a valid slot stores ``out = 0`` and
-  ``lse = +inf``. Each warpgroup stores its half of ``out``.
+* epilogue of a tile: the two row sums (each relative to the same final max) are added through
+  shared memory (two halves used by alternate tiles, so one named barrier suffices);
+  ``lse = ln 2 * (M + log2(l))`` (sink excluded), ``out = O / l * w`` with the sink weight
+  ``w = 1 / (1 + exp(sink - lse))``; a row without a valid slot stores ``out = 0`` and
+  ``lse = +inf``. Each warpgroup stages its bf16 half of ``out`` in its half of Q's bytes (the
+  score GEMMs, Q's only readers, are done), stores it as 16-byte rows and then arrives on
+  ``q_free``: four times fewer global stores than storing the accumulator's pairs directly.
 
 This module imports ``cutlass``: use it in a build process only.
 """
@@ -57,8 +65,8 @@ from cutlass.utils import hopper_helpers as sm90_utils
 from dsa_aot.kernels.cutedsl_common import (D_V, VEC, quad_max, quad_sum, wg_acc_as_a,
                                             wg_rows_cols)
 from dsa_aot.kernels.cutedsl_fwd import (BLOCK_H, BLOCK_N, LOG2E, M_FLOOR, THREADS, WG_THREADS,
-                                         WS_ROWS_PER_PASS, check_params, load_q_tile,
-                                         producer_idx, row_lse_and_factor, store_out_half,
+                                         WS_ROWS_PER_PASS, check_params,
+                                         producer_idx, row_lse_and_factor,
                                          ws_copies, ws_smem_layouts)
 
 #: 384 threads: two consumer warpgroups and the producer.
@@ -70,7 +78,9 @@ HALF = D_V // 2
 TILE = 64
 HALF_TILES = HALF // TILE
 #: Named barriers (0 is __syncthreads), each joining the two consumer warpgroups.
-BAR_MAX0, BAR_MAX1, BAR_P0, BAR_P1, BAR_SUM, BAR_Q = 1, 2, 3, 4, 5, 6
+BAR_MAX0, BAR_MAX1, BAR_P0, BAR_P1, BAR_SUM = 1, 2, 3, 4, 5
+#: Named barriers of one consumer warpgroup (its ``out`` staged in shared memory).
+BAR_OUT = (6, 7)
 
 _INF = float("inf")
 
@@ -91,7 +101,8 @@ class SparseMlaFwdSplit:
     @cute.jit
     def launch(self, q: cute.Tensor, kv: cute.Tensor, topk_idxs: cute.Tensor,
                topk_length: cute.Tensor, attn_sink: cute.Tensor, out: cute.Tensor,
-               lse: cute.Tensor, softmax_scale: Float32, stream: cuda.CUstream) -> None:
+               lse: cute.Tensor, softmax_scale: Float32, num_sms: Int32,
+               stream: cuda.CUstream) -> None:
         d = self.d_qk
         # Q, the two KV buffers, V^T of one half of the value columns in both, a P tile
         s_q_layout, s_kv_layout, s_v_layout, s_p_layout = ws_smem_layouts(d, BLOCK_N, 2)
@@ -107,12 +118,12 @@ class SparseMlaFwdSplit:
             s_p: cute.struct.Align[cute.struct.MemRange[
                 BFloat16, cute.cosize(s_p_layout.outer) * p_tiles], 1024]
             s_max: cute.struct.Align[cute.struct.MemRange[Float32, BLOCK_H], 16]
-            s_sum: cute.struct.Align[cute.struct.MemRange[Float32, 2 * BLOCK_H], 16]
+            s_sum: cute.struct.Align[cute.struct.MemRange[Float32, 4 * BLOCK_H], 16]
             s_valid: cute.struct.Align[cute.struct.MemRange[Int32, 2 * BLOCK_N], 16]
-            # ready[buffer][half], free[buffer][half]
-            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 8], 8]
+            # ready[buffer][half], free[buffer][half], Q ready, Q free
+            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 10], 8]
 
-        q_copy, kv_copy = ws_copies()  # Q: the consumer threads; KV: the producer's
+        _, kv_copy = ws_copies()  # the producer's 16-byte copies (Q and the gathered rows)
         mma_s = sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
             Float32, (1, 1, 1), (BLOCK_H, BLOCK_N))
@@ -127,9 +138,9 @@ class SparseMlaFwdSplit:
         if s_q > 0:
             self.kernel_split(q, kv, topk_idxs, topk_length, attn_sink, out, lse,
                               softmax_scale * Float32(LOG2E), s_q_layout, s_kv_layout,
-                              s_v_layout, s_p_layout, q_copy, kv_copy, mma_s, mma_pv, mma_pv_rs,
+                              s_v_layout, s_p_layout, kv_copy, mma_s, mma_pv, mma_pv_rs,
                               SharedStorage).launch(
-                grid=[s_q * head_blocks(self.heads), 1, 1],
+                grid=[cta_count(s_q, self.heads, num_sms), 1, 1],
                 block=[SPLIT_THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
     # ---------------------------------------------------------------------------------------
@@ -141,21 +152,19 @@ class SparseMlaFwdSplit:
                      m_len: cute.Tensor, m_sink: cute.Tensor, m_out: cute.Tensor,
                      m_lse: cute.Tensor, scale_log2: Float32, s_q_layout: cute.ComposedLayout,
                      s_kv_layout: cute.ComposedLayout, s_v_layout: cute.ComposedLayout,
-                     s_p_layout: cute.ComposedLayout, q_copy: cute.TiledCopy,
-                     kv_copy: cute.TiledCopy, mma_s: cute.TiledMma, mma_pv: cute.TiledMma,
-                     mma_pv_rs: cute.TiledMma, SharedStorage: cutlass.Constexpr) -> None:
+                     s_p_layout: cute.ComposedLayout, kv_copy: cute.TiledCopy,
+                     mma_s: cute.TiledMma, mma_pv: cute.TiledMma, mma_pv_rs: cute.TiledMma,
+                     SharedStorage: cutlass.Constexpr) -> None:
         d = self.d_qk
         mma_s.set(warpgroup.Field.ACCUMULATE, True)  # accumulators are zero-filled instead
         mma_pv.set(warpgroup.Field.ACCUMULATE, True)
         mma_pv_rs.set(warpgroup.Field.ACCUMULATE, True)
         tidx, _, _ = cute.arch.thread_idx()
-        t, hb = row_and_head_block(self.heads)
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
-        topk = cute.size(m_idx, mode=[1])
-        n_valid = topk
-        if cutlass.const_expr(self.compact):
-            n_valid = cutlass.max(cutlass.min(m_len[t], topk), Int32(0))
-        n_pairs = (n_valid + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
+        bid, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        n_tiles = cute.size(m_q, mode=[0]) * head_blocks(self.heads)
+        n_mine = (n_tiles - bid + grid - 1) // grid  # tiles bid, bid + grid, ...
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -168,91 +177,132 @@ class SparseMlaFwdSplit:
             s_p0 = cute.make_tensor(s_p1.iterator + cute.cosize(s_p_layout.outer),
                                     s_p_layout.outer)
         s_max = storage.s_max.get_tensor(cute.make_layout(BLOCK_H))
-        s_sum = storage.s_sum.get_tensor(cute.make_layout(2 * BLOCK_H))
+        s_sum = storage.s_sum.get_tensor(cute.make_layout(4 * BLOCK_H))
         s_valid = storage.s_valid.get_tensor(cute.make_layout(2 * BLOCK_N))
         ready = storage.mbar.data_ptr()
         free = ready + 4
+        q_ready = ready + 8
+        q_free = ready + 9
 
         if tidx == 0:
             for i in cutlass.range_constexpr(4):
                 # 128 cp.async arrivals (noinc) + 128 plain arrivals of the producer
                 cute.arch.mbarrier_init(ready + i, 2 * WG_THREADS)
                 cute.arch.mbarrier_init(free + i, WG_THREADS)
+            cute.arch.mbarrier_init(q_ready, 2 * WG_THREADS)
+            cute.arch.mbarrier_init(q_free, 2 * WG_THREADS)  # both consumer warpgroups
         cute.arch.mbarrier_init_fence()
-        cute.arch.barrier()  # the mbarriers are initialised; the producer need not wait for Q
+        cute.arch.barrier()
 
         if wg == 2:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            self.produce(m_kv, m_idx, s_kv_all, s_valid, kv_copy, ready, free, t, n_valid,
-                         n_pairs, tidx % WG_THREADS)
+            self.produce(m_q, m_kv, m_idx, m_len, s_q, s_kv_all, s_valid, kv_copy, ready, free,
+                         q_ready, q_free, bid, grid, n_mine, tidx % WG_THREADS)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            load_q_tile(m_q, s_q, q_copy, t, hb, tidx, d, self.heads)
-            cute.arch.barrier(barrier_id=BAR_Q, number_of_threads=THREADS)
             if wg == 0:
-                self.consume(0, m_sink, m_out, m_lse, scale_log2, s_q, s_kv_all, s_v_layout,
-                             s_p0, s_p1, s_max, s_sum, s_valid, ready, free, mma_s, mma_pv,
-                             mma_pv_rs, t, hb, n_pairs, tidx)
+                self.consume(0, m_idx, m_len, m_sink, m_out, m_lse, scale_log2, s_q, s_kv_all,
+                             s_v_layout, s_p0, s_p1, s_max, s_sum, s_valid, ready, free,
+                             q_ready, q_free, mma_s, mma_pv, mma_pv_rs, bid, grid, n_mine, tidx)
             else:
-                self.consume(1, m_sink, m_out, m_lse, scale_log2, s_q, s_kv_all, s_v_layout,
-                             s_p1, s_p0, s_max, s_sum, s_valid, ready, free, mma_s, mma_pv,
-                             mma_pv_rs, t, hb, n_pairs, tidx)
+                self.consume(1, m_idx, m_len, m_sink, m_out, m_lse, scale_log2, s_q, s_kv_all,
+                             s_v_layout, s_p1, s_p0, s_max, s_sum, s_valid, ready, free,
+                             q_ready, q_free, mma_s, mma_pv, mma_pv_rs, bid, grid, n_mine, tidx)
+
+    def tile_rows(self, tile: Int32, m_idx: cute.Tensor, m_len: cute.Tensor) -> tuple:
+        """Tile ``tile``'s query row, head block and number of valid slots (call while
+        tracing). The head blocks of a row are neighbouring tiles of neighbouring CTAs, so
+        they run together and the second gather of the row's KV rows hits in L2."""
+        n = head_blocks(self.heads)
+        t, hb = tile, Int32(0)
+        if n > 1:
+            t, hb = tile // n, tile % n
+        topk = cute.size(m_idx, mode=[1])
+        n_valid = topk
+        if self.compact:
+            n_valid = cutlass.max(cutlass.min(m_len[t], topk), Int32(0))
+        return t, hb, n_valid
 
     # ---- producer ----------------------------------------------------------------------------
 
     @cute.jit
-    def produce(self, m_kv: cute.Tensor, m_idx: cute.Tensor, s_kv_all: cute.Tensor,
+    def produce(self, m_q: cute.Tensor, m_kv: cute.Tensor, m_idx: cute.Tensor,
+                m_len: cute.Tensor, s_q: cute.Tensor, s_kv_all: cute.Tensor,
                 s_valid: cute.Tensor, kv_copy: cute.TiledCopy, ready: cute.Pointer,
-                free: cute.Pointer, t: Int32, n_valid: Int32, n_pairs: Int32,
-                wtid: Int32) -> None:
-        """Gather blocks ``2k`` / ``2k + 1`` into buffers 0 / 1, half by half (0L, 1R, 0R, 1L)."""
+                free: cute.Pointer, q_ready: cute.Pointer, q_free: cute.Pointer, bid: Int32,
+                grid: Int32, n_mine: Int32, wtid: Int32) -> None:
+        """Per tile: Q once the consumers are done with the previous one, then blocks
+        ``2k`` / ``2k + 1`` into buffers 0 / 1, half by half (0L, 1R, 0R, 1L)."""
         d = self.d_qk
         s_kv = cute.size(m_kv, mode=[0])
         thr_kv = kv_copy.get_slice(wtid)
         p_row = wtid // (TILE // VEC)
         t_g_kv = thr_kv.partition_S(cute.local_tile(m_kv, (BLOCK_N, d), (0, 0)))  # (CPY, 4, T)
         t_s_kv = thr_kv.partition_D(s_kv_all)  # (CPY, 4, T, 2)
+        t_s_q = thr_kv.partition_D(s_q)  # (CPY, 4, T)
         row_stride = m_kv.stride[0]
-        for k in cutlass.range(n_pairs, unroll=1):
-            idx0 = producer_idx(2 * k, t, m_idx, n_valid, p_row, BLOCK_N)
-            idx1 = producer_idx(2 * k + 1, t, m_idx, n_valid, p_row, BLOCK_N)
-            phase = (k % 2) ^ 1
-            for buf, half in ((0, 0), (1, 1), (0, 1), (1, 0)):
-                idx = idx0 if buf == 0 else idx1
-                cute.arch.mbarrier_wait(free + 2 * buf + half, phase)
-                for m in cutlass.range_constexpr(BLOCK_N // WS_ROWS_PER_PASS):
-                    row = p_row + m * WS_ROWS_PER_PASS
-                    valid = (idx[m] >= 0) & (idx[m] < s_kv)
-                    if valid:
-                        src_t = t_g_kv[None, m, None]
-                        offset = cutlass.Int64(idx[m] - row) * row_stride
-                        src = cute.make_tensor(src_t.iterator + offset, src_t.layout)
-                        for c in cutlass.range_constexpr(half_tiles(half, d)[0],
-                                                         half_tiles(half, d)[1]):
-                            cute.copy(kv_copy, src[None, c], t_s_kv[None, m, c, buf])
+        pairs_done = Int32(0)  # blocks pairs of the earlier tiles: the mbarrier phases
+        for i in cutlass.range(n_mine, unroll=1):
+            t, hb, n_valid = self.tile_rows(bid + i * grid, m_idx, m_len)
+            n_pairs = (n_valid + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
+            # Q of this tile (head rows past ``heads`` zero-filled)
+            t_g_q = thr_kv.partition_S(cute.local_tile(m_q[t, None, None], (BLOCK_H, d),
+                                                       (hb, 0)))
+            cute.arch.mbarrier_wait(q_free, (i % 2) ^ 1)
+            for m in cutlass.range_constexpr(BLOCK_H // WS_ROWS_PER_PASS):
+                if cutlass.const_expr(self.heads >= BLOCK_H):
+                    cute.copy(kv_copy, t_g_q[None, m, None], t_s_q[None, m, None])
+                else:
+                    if p_row + m * WS_ROWS_PER_PASS < self.heads:
+                        cute.copy(kv_copy, t_g_q[None, m, None], t_s_q[None, m, None])
                     else:
-                        for c in cutlass.range_constexpr(half_tiles(half, d)[0],
-                                                         half_tiles(half, d)[1]):
-                            t_s_kv[None, m, c, buf].fill(0)
-                    if half == buf:  # a buffer's first half carries its validity flags
-                        if wtid % (TILE // VEC) == 0:
-                            s_valid[buf * BLOCK_N + row] = Int32(1) if valid else Int32(0)
-                cute.arch.cp_async_mbarrier_arrive_noinc(ready + 2 * buf + half)
-                cute.arch.mbarrier_arrive(ready + 2 * buf + half)
+                        t_s_q[None, m, None].fill(0)
+            cute.arch.cp_async_mbarrier_arrive_noinc(q_ready)
+            cute.arch.mbarrier_arrive(q_ready)
+            for k in cutlass.range(n_pairs, unroll=1):
+                idx0 = producer_idx(2 * k, t, m_idx, n_valid, p_row, BLOCK_N)
+                idx1 = producer_idx(2 * k + 1, t, m_idx, n_valid, p_row, BLOCK_N)
+                phase = ((pairs_done + k) % 2) ^ 1
+                for buf, half in ((0, 0), (1, 1), (0, 1), (1, 0)):
+                    idx = idx0 if buf == 0 else idx1
+                    cute.arch.mbarrier_wait(free + 2 * buf + half, phase)
+                    for m in cutlass.range_constexpr(BLOCK_N // WS_ROWS_PER_PASS):
+                        row = p_row + m * WS_ROWS_PER_PASS
+                        valid = (idx[m] >= 0) & (idx[m] < s_kv)
+                        if valid:
+                            src_t = t_g_kv[None, m, None]
+                            offset = cutlass.Int64(idx[m] - row) * row_stride
+                            src = cute.make_tensor(src_t.iterator + offset, src_t.layout)
+                            for c in cutlass.range_constexpr(half_tiles(half, d)[0],
+                                                             half_tiles(half, d)[1]):
+                                cute.copy(kv_copy, src[None, c], t_s_kv[None, m, c, buf])
+                        else:
+                            for c in cutlass.range_constexpr(half_tiles(half, d)[0],
+                                                             half_tiles(half, d)[1]):
+                                t_s_kv[None, m, c, buf].fill(0)
+                        if half == buf:  # a buffer's first half carries its validity flags
+                            if wtid % (TILE // VEC) == 0:
+                                s_valid[buf * BLOCK_N + row] = Int32(1) if valid else Int32(0)
+                    cute.arch.cp_async_mbarrier_arrive_noinc(ready + 2 * buf + half)
+                    cute.arch.mbarrier_arrive(ready + 2 * buf + half)
+            pairs_done = pairs_done + n_pairs
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
 
     # ---- consumers ---------------------------------------------------------------------------
 
     @cute.jit
-    def consume(self, w: cutlass.Constexpr, m_sink: cute.Tensor, m_out: cute.Tensor,
+    def consume(self, w: cutlass.Constexpr, m_idx: cute.Tensor, m_len: cute.Tensor,
+                m_sink: cute.Tensor, m_out: cute.Tensor,
                 m_lse: cute.Tensor, scale_log2: Float32, s_q: cute.Tensor,
                 s_kv_all: cute.Tensor, s_v_layout: cute.ComposedLayout, s_p_own: cute.Tensor,
                 s_p_peer: cute.Tensor, s_max: cute.Tensor, s_sum: cute.Tensor,
                 s_valid: cute.Tensor, ready: cute.Pointer, free: cute.Pointer,
-                mma_s: cute.TiledMma, mma_pv: cute.TiledMma, mma_pv_rs: cute.TiledMma,
-                t: Int32, hb: Int32, n_pairs: Int32, tidx: Int32) -> None:
-        """Consumer warpgroup ``w``: the blocks of buffer ``w``, value columns ``256 w ..``."""
+                q_ready: cute.Pointer, q_free: cute.Pointer, mma_s: cute.TiledMma,
+                mma_pv: cute.TiledMma, mma_pv_rs: cute.TiledMma, bid: Int32, grid: Int32,
+                n_mine: Int32, tidx: Int32) -> None:
+        """Consumer warpgroup ``w``: the blocks of buffer ``w``, value columns ``256 w ..``,
+        tile after tile."""
         heads = self.heads
         wtid = tidx % WG_THREADS
         lane = cute.arch.lane_idx()
@@ -269,7 +319,6 @@ class SparseMlaFwdSplit:
         r_v_rs = mma_pv_rs.make_fragment_B(mma_pv_rs.get_slice(0).partition_B(s_v))
         thr_pv = mma_pv.get_slice(wtid)
         acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((BLOCK_H, HALF)), Float32)
-        acc_o.fill(0.0)
         acc_o_mn = wg_rows_cols(acc_o)
         c_o = thr_pv.partition_C(cute.make_identity_tensor((BLOCK_H, HALF)))
         c_o_mn = wg_rows_cols(c_o)
@@ -284,106 +333,150 @@ class SparseMlaFwdSplit:
         rows = cute.size(acc_s_mn, mode=[0])
         row_max = cute.make_rmem_tensor(rows, Float32)
         row_sum = cute.make_rmem_tensor(rows, Float32)
-        row_max.fill(M_FLOOR)
-        row_sum.fill(0.0)
 
-        for k in cutlass.range(n_pairs, unroll=1):
-            phase = k % 2
-            if cutlass.const_expr(w == 0):
-                if k == 0:
-                    self.issue_qk(0, 0, acc_s, r_q, r_k, mma_s, ready, phase, True)
-                    self.issue_qk(0, 1, acc_s, r_q, r_k, mma_s, ready, phase, False)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
-            else:
-                self.issue_qk(1, 1, acc_s, r_q, r_k, mma_s, ready, phase, True)
-                self.issue_qk(1, 0, acc_s, r_q, r_k, mma_s, ready, phase, False)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-            part = self.masked_row_max(w, acc_s_mn, c_s_mn, s_valid, scale_log2)
-            if cutlass.const_expr(w == 1):
-                # fold in warpgroup 0's max of its block: the pair's max
-                cute.arch.barrier(barrier_id=BAR_MAX0, number_of_threads=THREADS)
-                for r in cutlass.range_constexpr(rows):
-                    part[r] = cute.arch.fmax(part[r], s_max[c_s_mn[r, 0][0]])
-                cute.arch.sync_warp()  # every lane has read s_max before it is overwritten
-            m_new = [cute.arch.fmax(row_max[r], part[r]) for r in range(rows)]
-            self.online_softmax(acc_s_mn, acc_o_mn, row_max, row_sum, m_new)
-            if lane % 4 == 0:
-                for r in cutlass.range_constexpr(rows):
-                    s_max[c_s_mn[r, 0][0]] = m_new[r]
-            if cutlass.const_expr(w == 0):
-                cute.arch.barrier_arrive(barrier_id=BAR_MAX0, number_of_threads=THREADS)
-            else:
-                cute.arch.barrier_arrive(barrier_id=BAR_MAX1, number_of_threads=THREADS)
-            r_pb.store(acc_s.load().to(BFloat16))
-            if cutlass.const_expr(w == 1):  # P is final: hand it over before it is in flight
-                cute.copy(store_p, thr_store_p.retile(r_pb), t_s_p)
-                cute.arch.fence_view_async_shared()  # P stores -> the peer's wgmma reads
-                cute.arch.barrier_arrive(barrier_id=BAR_P1, number_of_threads=THREADS)
-            # O += P V with this warpgroup's P from registers
-            warpgroup.fence()
-            for kk in cutlass.range_constexpr(BLOCK_N // 16):
-                cute.gemm(mma_pv_rs, acc_o, r_pa[None, None, kk], r_v_rs[None, None, kk, w],
-                          acc_o)
-            warpgroup.commit_group()
-            if cutlass.const_expr(w == 0):
-                warpgroup.wait_group(0)
-                cute.arch.mbarrier_arrive(free + 0)  # 0L: read by this P V last
-                # the pair's max from warpgroup 1: rescale P, O and the row sum to it
-                cute.arch.barrier(barrier_id=BAR_MAX1, number_of_threads=THREADS)
-                rescale = cute.make_rmem_tensor(rows, Float32)
-                for r in cutlass.range_constexpr(rows):
-                    m_pair = s_max[c_s_mn[r, 0][0]]
-                    rescale[r] = cute.math.exp2(row_max[r] - m_pair, fastmath=True)
-                    row_max[r] = m_pair
-                    acc_s_mn[r, None] = acc_s_mn[r, None].load() * rescale[r]
-                r_pb.store(acc_s.load().to(BFloat16))
-                cute.copy(store_p, thr_store_p.retile(r_pb), t_s_p)
-                cute.arch.fence_view_async_shared()  # P stores -> the peer's wgmma reads
-                cute.arch.barrier_arrive(barrier_id=BAR_P0, number_of_threads=THREADS)
-                cute.arch.barrier(barrier_id=BAR_P1, number_of_threads=THREADS)
-                for r in cutlass.range_constexpr(rows):
-                    acc_o_mn[r, None] = acc_o_mn[r, None].load() * rescale[r]
-                    row_sum[r] = row_sum[r] * rescale[r]
-                warpgroup.fence()
-                self.issue_pv_peer(1, acc_o, r_p_peer, r_v, mma_pv)
-                if k + 1 < n_pairs:
-                    nxt = (k + 1) % 2
-                    self.issue_qk(0, 0, acc_s, r_q, r_k, mma_s, ready, nxt, True)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(1)
-                    cute.arch.mbarrier_arrive(free + 2)  # 1L: read by the P V above last
-                    self.issue_qk(0, 1, acc_s, r_q, r_k, mma_s, ready, nxt, False)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
+        pairs_done = Int32(0)  # block pairs of the earlier tiles: the mbarrier phases
+        for i in cutlass.range(n_mine, unroll=1):
+            t, hb, n_valid = self.tile_rows(bid + i * grid, m_idx, m_len)
+            n_pairs = (n_valid + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
+            row_max.fill(M_FLOOR)
+            row_sum.fill(0.0)
+            acc_o.fill(0.0)
+            cute.arch.mbarrier_wait(q_ready, i % 2)
+            for k in cutlass.range(n_pairs, unroll=1):
+                phase = (pairs_done + k) % 2
+                if cutlass.const_expr(w == 0):
+                    if k == 0:
+                        self.issue_qk(0, 0, acc_s, r_q, r_k, mma_s, ready, phase, True)
+                        self.issue_qk(0, 1, acc_s, r_q, r_k, mma_s, ready, phase, False)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(0)
                 else:
+                    self.issue_qk(1, 1, acc_s, r_q, r_k, mma_s, ready, phase, True)
+                    self.issue_qk(1, 0, acc_s, r_q, r_k, mma_s, ready, phase, False)
+                    warpgroup.commit_group()
                     warpgroup.wait_group(0)
-                    cute.arch.mbarrier_arrive(free + 2)
-            else:
-                cute.arch.barrier(barrier_id=BAR_P0, number_of_threads=THREADS)
-                self.issue_pv_peer(0, acc_o, r_p_peer, r_v, mma_pv)
-                warpgroup.wait_group(1)
-                cute.arch.mbarrier_arrive(free + 3)  # 1R: read by this warpgroup's P V last
-                warpgroup.wait_group(0)
-                cute.arch.mbarrier_arrive(free + 1)  # 0R (and warpgroup 0's P): the peer P V
+                part = self.masked_row_max(w, acc_s_mn, c_s_mn, s_valid, scale_log2)
+                if cutlass.const_expr(w == 1):
+                    # fold in warpgroup 0's max of its block: the pair's max
+                    cute.arch.barrier(barrier_id=BAR_MAX0, number_of_threads=THREADS)
+                    for r in cutlass.range_constexpr(rows):
+                        part[r] = cute.arch.fmax(part[r], s_max[c_s_mn[r, 0][0]])
+                    cute.arch.sync_warp()  # every lane has read s_max before it is overwritten
+                m_new = [cute.arch.fmax(row_max[r], part[r]) for r in range(rows)]
+                self.online_softmax(acc_s_mn, acc_o_mn, row_max, row_sum, m_new)
+                if lane % 4 == 0:
+                    for r in cutlass.range_constexpr(rows):
+                        s_max[c_s_mn[r, 0][0]] = m_new[r]
+                if cutlass.const_expr(w == 0):
+                    cute.arch.barrier_arrive(barrier_id=BAR_MAX0, number_of_threads=THREADS)
+                else:
+                    cute.arch.barrier_arrive(barrier_id=BAR_MAX1, number_of_threads=THREADS)
+                r_pb.store(acc_s.load().to(BFloat16))
+                if cutlass.const_expr(w == 1):  # P is final: hand it over before it is in flight
+                    cute.copy(store_p, thr_store_p.retile(r_pb), t_s_p)
+                    cute.arch.fence_view_async_shared()  # P stores -> the peer's wgmma reads
+                    cute.arch.barrier_arrive(barrier_id=BAR_P1, number_of_threads=THREADS)
+                # O += P V with this warpgroup's P from registers
+                warpgroup.fence()
+                for kk in cutlass.range_constexpr(BLOCK_N // 16):
+                    cute.gemm(mma_pv_rs, acc_o, r_pa[None, None, kk], r_v_rs[None, None, kk, w],
+                              acc_o)
+                warpgroup.commit_group()
+                if cutlass.const_expr(w == 0):
+                    warpgroup.wait_group(0)
+                    cute.arch.mbarrier_arrive(free + 0)  # 0L: read by this P V last
+                    # the pair's max from warpgroup 1: rescale P, O and the row sum to it
+                    cute.arch.barrier(barrier_id=BAR_MAX1, number_of_threads=THREADS)
+                    rescale = cute.make_rmem_tensor(rows, Float32)
+                    for r in cutlass.range_constexpr(rows):
+                        m_pair = s_max[c_s_mn[r, 0][0]]
+                        rescale[r] = cute.math.exp2(row_max[r] - m_pair, fastmath=True)
+                        row_max[r] = m_pair
+                        acc_s_mn[r, None] = acc_s_mn[r, None].load() * rescale[r]
+                    r_pb.store(acc_s.load().to(BFloat16))
+                    cute.copy(store_p, thr_store_p.retile(r_pb), t_s_p)
+                    cute.arch.fence_view_async_shared()  # P stores -> the peer's wgmma reads
+                    cute.arch.barrier_arrive(barrier_id=BAR_P0, number_of_threads=THREADS)
+                    cute.arch.barrier(barrier_id=BAR_P1, number_of_threads=THREADS)
+                    for r in cutlass.range_constexpr(rows):
+                        acc_o_mn[r, None] = acc_o_mn[r, None].load() * rescale[r]
+                        row_sum[r] = row_sum[r] * rescale[r]
+                    warpgroup.fence()
+                    self.issue_pv_peer(1, acc_o, r_p_peer, r_v, mma_pv)
+                    if k + 1 < n_pairs:
+                        nxt = (pairs_done + k + 1) % 2
+                        self.issue_qk(0, 0, acc_s, r_q, r_k, mma_s, ready, nxt, True)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(1)
+                        cute.arch.mbarrier_arrive(free + 2)  # 1L: read by the P V above last
+                        self.issue_qk(0, 1, acc_s, r_q, r_k, mma_s, ready, nxt, False)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(0)
+                    else:
+                        warpgroup.wait_group(0)
+                        cute.arch.mbarrier_arrive(free + 2)
+                else:
+                    cute.arch.barrier(barrier_id=BAR_P0, number_of_threads=THREADS)
+                    self.issue_pv_peer(0, acc_o, r_p_peer, r_v, mma_pv)
+                    warpgroup.wait_group(1)
+                    cute.arch.mbarrier_arrive(free + 3)  # 1R: read by this warpgroup's P V last
+                    warpgroup.wait_group(0)
+                    cute.arch.mbarrier_arrive(free + 1)  # 0R (and warpgroup 0's P): the peer P V
 
-        # ---- epilogue: the two row sums (same final max), lse, sink weight, out ------------
-        for r in cutlass.range_constexpr(rows):
-            total = quad_sum(row_sum[r])
-            if lane % 4 == 0:
-                s_sum[w * BLOCK_H + c_o_mn[r, 0][0]] = total
-        cute.arch.barrier(barrier_id=BAR_SUM, number_of_threads=THREADS)
-        for r in cutlass.range_constexpr(rows):
-            row = c_o_mn[r, 0][0]
-            head = hb * BLOCK_H + row
-            lse_val, factor = row_lse_and_factor(row_max[r], s_sum[row] + s_sum[BLOCK_H + row],
-                                                 head, heads, m_sink)
-            acc_o_mn[r, None] = acc_o_mn[r, None].load() * factor
-            if cutlass.const_expr(w == 0):
-                if (lane % 4 == 0) & (head < heads):
-                    m_lse[t, head] = lse_val
-        store_out_half(acc_o, c_o, thr_pv, m_out, t, hb, w, heads)
+            # ---- epilogue: the two row sums (same final max), lse, sink weight, out ------------
+            # alternate halves of s_sum, tile by tile: no second barrier
+            sums = cute.make_tensor(s_sum.iterator + (i % 2) * (2 * BLOCK_H),
+                                    cute.make_layout(2 * BLOCK_H))
+            for r in cutlass.range_constexpr(rows):
+                total = quad_sum(row_sum[r])
+                if lane % 4 == 0:
+                    sums[w * BLOCK_H + c_o_mn[r, 0][0]] = total
+            cute.arch.barrier(barrier_id=BAR_SUM, number_of_threads=THREADS)
+            for r in cutlass.range_constexpr(rows):
+                row = c_o_mn[r, 0][0]
+                head = hb * BLOCK_H + row
+                lse_val, factor = row_lse_and_factor(row_max[r], sums[row] + sums[BLOCK_H + row],
+                                                     head, heads, m_sink)
+                acc_o_mn[r, None] = acc_o_mn[r, None].load() * factor
+                if cutlass.const_expr(w == 0):
+                    if (lane % 4 == 0) & (head < heads):
+                        m_lse[t, head] = lse_val
+            self.store_out_staged(w, acc_o, thr_pv, mma_pv, s_q, m_out, t, hb, wtid)
+            cute.arch.mbarrier_arrive(q_free)  # Q's bytes are free: the next tile's Q
+            pairs_done = pairs_done + n_pairs
+
+    @cute.jit
+    def store_out_staged(self, w: cutlass.Constexpr, acc_o: cute.Tensor,
+                         thr_pv: cute.core.ThrMma, mma_pv: cute.TiledMma, s_q: cute.Tensor,
+                         m_out: cute.Tensor, t: Int32, hb: Int32, wtid: Int32) -> None:
+        """Store warpgroup ``w``'s 64 x 256 half of ``out`` (fp32 ``acc_o``, final) as bf16
+        through its half of Q's shared memory (no longer read by then): register pairs into
+        the 128-byte swizzled tile, then 16-byte rows to global memory (head rows past
+        ``heads`` skipped). Four times fewer global stores than storing the pairs directly."""
+        s_o = cute.local_tile(s_q, (BLOCK_H, HALF), (0, w))
+        r_o = cute.make_fragment_like(acc_o, BFloat16)
+        r_o.store(acc_o.load().to(BFloat16))
+        store_o = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(),
+                                                             BFloat16), mma_pv)
+        thr_store = store_o.get_slice(wtid)
+        cute.copy(store_o, thr_store.retile(r_o), thr_store.partition_D(s_o))
+        cute.arch.barrier(barrier_id=BAR_OUT[w], number_of_threads=WG_THREADS)
+        cols = TILE // VEC
+        vec_copy = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128),
+            cute.make_layout((WG_THREADS // cols, cols), stride=(cols, 1)),
+            cute.make_layout((1, VEC)))
+        thr_vec = vec_copy.get_slice(wtid)
+        t_s = thr_vec.partition_S(s_o)  # (CPY, 4, 4): passes of 16 rows, 64-column tiles
+        t_g = thr_vec.partition_D(cute.local_tile(m_out[t, None, None], (BLOCK_H, HALF),
+                                                  (hb, w)))
+        row0 = wtid // cols
+        for m in cutlass.range_constexpr(BLOCK_H // WS_ROWS_PER_PASS):
+            if cutlass.const_expr(self.heads >= BLOCK_H):
+                cute.copy(vec_copy, t_s[None, m, None], t_g[None, m, None])
+            else:
+                if row0 + m * WS_ROWS_PER_PASS < self.heads:
+                    cute.copy(vec_copy, t_s[None, m, None], t_g[None, m, None])
 
     @cute.jit
     def issue_qk(self, buf: cutlass.Constexpr, half: cutlass.Constexpr, acc_s: cute.Tensor,
@@ -450,15 +543,13 @@ def head_blocks(heads: int) -> int:
     return (heads + BLOCK_H - 1) // BLOCK_H
 
 
-def row_and_head_block(heads: int) -> tuple:
-    """This CTA's query row and head block (call while tracing a kernel). The head blocks of a row are neighbouring CTAs,
-    so they run together and the second gather of the row's KV rows hits in L2."""
-    bid, _, _ = cute.arch.block_idx()
+def cta_count(s_q: Int32, heads: int, num_sms: Int32) -> Int32:
+    """The persistent grid: one CTA per SM (``num_sms``, at least one per head block), at most
+    one per tile; a multiple of the head blocks per row, so CTA ``b`` and its neighbours run the
+    head blocks of one row at every step."""
     n = head_blocks(heads)
-    t, hb = bid, Int32(0)
-    if cutlass.const_expr(n > 1):
-        t, hb = bid // n, bid % n
-    return t, hb
+    ctas = cutlass.max(num_sms - num_sms % n, Int32(n))
+    return cutlass.min(s_q * n, ctas)
 
 
 def half_tiles(half: int, d_qk: int) -> tuple[int, int]:
@@ -473,8 +564,10 @@ class SparseMlaFwdSplitCompact(SparseMlaFwdSplit):
     @cute.jit
     def __call__(self, q: cute.Tensor, kv: cute.Tensor, topk_idxs: cute.Tensor,
                  topk_length: cute.Tensor, attn_sink: cute.Tensor, out: cute.Tensor,
-                 lse: cute.Tensor, softmax_scale: Float32, stream: cuda.CUstream) -> None:
-        self.launch(q, kv, topk_idxs, topk_length, attn_sink, out, lse, softmax_scale, stream)
+                 lse: cute.Tensor, softmax_scale: Float32, num_sms: Int32,
+                 stream: cuda.CUstream) -> None:
+        self.launch(q, kv, topk_idxs, topk_length, attn_sink, out, lse, softmax_scale, num_sms,
+                    stream)
 
 
 class SparseMlaFwdSplitNoncompact(SparseMlaFwdSplit):
@@ -483,8 +576,9 @@ class SparseMlaFwdSplitNoncompact(SparseMlaFwdSplit):
     @cute.jit
     def __call__(self, q: cute.Tensor, kv: cute.Tensor, topk_idxs: cute.Tensor,
                  attn_sink: cute.Tensor, out: cute.Tensor, lse: cute.Tensor,
-                 softmax_scale: Float32, stream: cuda.CUstream) -> None:
-        self.launch(q, kv, topk_idxs, topk_idxs, attn_sink, out, lse, softmax_scale, stream)
+                 softmax_scale: Float32, num_sms: Int32, stream: cuda.CUstream) -> None:
+        self.launch(q, kv, topk_idxs, topk_idxs, attn_sink, out, lse, softmax_scale, num_sms,
+                    stream)
 
 
 def entry_class(layout: str) -> type:

@@ -318,7 +318,7 @@ def _link(obj: Path, lib: Path, mode: LinkMode, libdir: Path) -> int | None:
 
 
 _RE_SCALAR = re.compile(r"\b(float|double|int32_t|int64_t) (\w+)\b")
-_C_SCALAR = {"float32": "float"}
+_C_SCALAR = {"float32": "float", "int32": "int32_t"}
 
 
 def _check_scalar_params(header: str, prefix: str, args: list[object]) -> None:

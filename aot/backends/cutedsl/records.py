@@ -136,7 +136,7 @@ class ScalarArgRecord(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     kind: Literal["scalar"] = "scalar"
     name: str
-    dtype: Literal["float32"]
+    dtype: Literal["float32", "int32"]
 
 
 ArgRecord = Annotated[Union[TensorArgRecord, StreamArgRecord, ScalarArgRecord],

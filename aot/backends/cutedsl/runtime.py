@@ -61,7 +61,9 @@ _CUDA_ERRORS = {1: "cudaErrorInvalidValue", 2: "cudaErrorMemoryAllocation",
                 700: "cudaErrorIllegalAddress", 9: "cudaErrorInvalidConfiguration"}
 _CTYPES = {"int32": ctypes.c_int32, "int64": ctypes.c_int64}
 #: ctypes and ``struct`` codes of the scalar argument kinds a record may hold.
-_SCALAR_CTYPES = {"float32": (ctypes.c_float, "f")}
+_SCALAR_CTYPES = {"float32": (ctypes.c_float, "f"), "int32": (ctypes.c_int32, "i")}
+#: The Python type a scalar of each kind is passed as.
+_SCALAR_PY = {"float32": float, "int32": int}
 _LIMITS = {"int32": 2**31 - 1, "int64": 2**63 - 1}
 
 
@@ -303,6 +305,7 @@ class CuteDslKernel:
         self._names = [p.name for p in self._plans]
         self._scalar_names = [a.name for a in record.args if a.kind == "scalar"]
         self._scalar_set = frozenset(self._scalar_names)
+        self._scalar_types = [_SCALAR_PY[a.dtype] for a in record.args if a.kind == "scalar"]
         # the frame's values come from [*pointers, stream, *scalars, *layout values, 0]
         n_tensors, n_scalars = len(self._plans), len(self._scalar_names)
         order: list[int] = []
@@ -368,10 +371,10 @@ class CuteDslKernel:
         scalar by name (``softmax_scale=...``); ``stream`` is a ``cudaStream_t`` as an int
         (default: torch's current stream on the tensors' device)."""
         scalars = None
-        if kwargs.keys() == self._scalar_set:  # the usual call: every scalar a float, no names
+        if kwargs.keys() == self._scalar_set:  # the usual call: every scalar of its exact type
             scalars = [kwargs[n] for n in self._scalar_names]
-            for value in scalars:
-                if type(value) is not float:
+            for value, kind in zip(scalars, self._scalar_types):
+                if type(value) is not kind or (kind is int and not -2**31 <= value < 2**31):
                     scalars = None
                     break
         if scalars is None:
@@ -393,14 +396,25 @@ class CuteDslKernel:
         if ret:
             raise CuteRuntimeError(f"{self.record.name}: launch failed with {_cuda_error(ret)}")
 
-    def scalar_values(self, given: dict[str, Any]) -> dict[str, float]:
-        """Check that every scalar argument is given exactly once and is a real number."""
+    def scalar_values(self, given: dict[str, Any]) -> dict[str, float | int]:
+        """Check that every scalar argument is given exactly once and is a real number (an
+        integer in the int32 range for an ``int32`` scalar)."""
         missing = [n for n in self._scalar_names if n not in given]
         if missing:
             raise TypeError(f"{self.record.name}: missing scalar arguments {missing} "
                             "(pass them by keyword)")
-        values: dict[str, float] = {}
+        kinds = dict(zip(self._scalar_names, self._scalar_types))
+        values: dict[str, float | int] = {}
         for name, value in given.items():
+            if kinds[name] is int:
+                if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                    raise TypeError(f"{self.record.name}: scalar {name} must be an integer, "
+                                    f"got {type(value).__name__}")
+                if not -2**31 <= value < 2**31:
+                    raise ValueError(f"{self.record.name}: scalar {name}={value} does not fit "
+                                     "an int32")
+                values[name] = int(value)
+                continue
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"{self.record.name}: scalar {name} must be a real number, "
                                 f"got {type(value).__name__}")

@@ -35,15 +35,16 @@ def _dim_record(entry: object) -> dict[str, object]:
 def _describe_args(fakes: dict[str, object]) -> list[dict[str, object]]:
     import cuda.bindings.driver as cuda
 
-    from cutlass import Float32
+    from cutlass import Float32, Int32
 
     args: list[dict[str, object]] = []
     for name, fake in fakes.items():
         if isinstance(fake, cuda.CUstream):
             args.append({"kind": "stream", "name": name})
             continue
-        if isinstance(fake, Float32):
-            args.append({"kind": "scalar", "name": name, "dtype": "float32"})
+        if isinstance(fake, (Float32, Int32)):
+            dtype = "float32" if isinstance(fake, Float32) else "int32"
+            args.append({"kind": "scalar", "name": name, "dtype": dtype})
             continue
         dtype = _DTYPES.get(fake.element_type.__name__)
         if dtype is None:

@@ -237,7 +237,10 @@ def test_forward_manifest(built_fwd: ArtifactStore, arch: str) -> None:
     tensors = [a.name for a in rec.args if a.kind == "tensor"]
     assert tensors == ["q", "kv", "topk_idxs", *(["topk_length"] if spec.layout == "compact" else []),
                        "attn_sink", "out", "lse"]
-    assert [(a.name, a.dtype) for a in rec.args if a.kind == "scalar"] == [("softmax_scale", "float32")]
+    scalars = [("softmax_scale", "float32")]
+    if rec.impl == "wgmma_split":  # persistent: its grid is sized by the GPU's SM count
+        scalars.append(("num_sms", "int32"))
+    assert [(a.name, a.dtype) for a in rec.args if a.kind == "scalar"] == scalars
     data = store.read_file(entry, "fwd.so")
     assert data[:4] == b"\x7fELF" and not _needed(data) and hashlib.sha256(data).hexdigest() == rec.library_sha256
 

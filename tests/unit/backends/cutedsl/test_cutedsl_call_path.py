@@ -250,6 +250,19 @@ def test_fwd_runner_passes_the_kernels_names(monkeypatch: pytest.MonkeyPatch) ->
     assert out.shape == (3, H, DV) and lse.shape == (3, H)
 
 
+def test_fwd_runner_gives_a_persistent_kernel_the_sm_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel with an ``num_sms`` scalar gets the device's SM count on every call."""
+    monkeypatch.setattr(runners, "current_stream", lambda dev: 42)
+    monkeypatch.setattr(runners, "_sm_count", lambda dev: 132)
+    stage = _Stage(["q", "kv", "topk_idxs", "attn_sink", "out", "lse"], ["softmax_scale", "num_sms"])
+    fwd = runners.CuteFwd(stage, KernelSpec.from_id("fwd-sm_90a-d576-h64-noncompact-cutedsl"))
+    q, kv, idx, sink = torch.zeros(3, H, D), torch.zeros(10, D), torch.zeros(3, 5), torch.zeros(H)
+    fwd(q, kv, idx, None, sink, 0.5)
+    fwd(q, kv, idx, None, sink, 0.25)
+    assert [kw for _, kw in stage.calls] == [{"stream": 42, "softmax_scale": 0.5, "num_sms": 132},
+                                             {"stream": 42, "softmax_scale": 0.25, "num_sms": 132}]
+
+
 def test_bwd_runner_passes_the_stages_names(monkeypatch: pytest.MonkeyPatch) -> None:
     from dsa_aot.backends.tilelang.launch import CubinKernel
 

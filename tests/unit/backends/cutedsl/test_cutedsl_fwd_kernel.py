@@ -100,9 +100,11 @@ def test_fwd_builds_for_every_arch(cpu_built: dict, variant: tuple) -> None:
     flags, = struct.unpack_from("<I", embedded_cubin((folder / rec.object_file).read_bytes()),
                                 0x30)
     assert int(arch[3:-1]) in (flags & 0xFF, (flags >> 8) & 0xFF)
-    assert [a.name for a in rec.args] == TENSORS[layout] + ["softmax_scale", "stream"]
-    assert [a.kind for a in rec.args][-2:] == ["scalar", "stream"]
-    assert rec.args[-2].dtype == "float32"
+    # the persistent flavour's grid is sized by the GPU's SM count, given at run time
+    scalars = [("softmax_scale", "float32")] + ([("num_sms", "int32")] if impl == "wgmma_split" else [])
+    assert [a.name for a in rec.args] == TENSORS[layout] + [n for n, _ in scalars] + ["stream"]
+    assert [(a.name, a.dtype) for a in rec.args if a.kind == "scalar"] == scalars
+    assert rec.args[-1].kind == "stream"
     q, kv, idx = rec.args[0], rec.args[1], rec.args[2]
     assert [d.symbol for d in q.shape[:1]] == ["s_q"]
     assert (q.shape[1].value, q.shape[2].value, q.stride[2].value) == (heads, d_qk, 1)
@@ -112,13 +114,15 @@ def test_fwd_builds_for_every_arch(cpu_built: dict, variant: tuple) -> None:
     assert (out.shape[1].value, out.shape[2].value) == (heads, 512)
     header = (folder / rec.header).read_text()
     assert "float softmax_scale" in header
+    assert ("int32_t num_sms" in header) == (impl == "wgmma_split")
 
 
 @needs_dsl
 def test_call_frame_carries_the_scale(cpu_built: dict) -> None:
-    """The frame holds ``softmax_scale`` as a C float at its struct offset, ``&value`` in argv."""
+    """The frame holds ``softmax_scale`` as a C float and ``num_sms`` as a C int32 at their
+    struct offsets, ``&value`` in argv."""
     kernel = load_kernel(cpu_built["dir"] / fwd_name("sm_90a", 576, 64, "compact"))
-    assert kernel.scalar_names == ["softmax_scale"]
+    assert kernel.scalar_names == ["softmax_scale", "num_sms"]
     frame = kernel.frame
     values: list[object] = []
     for i, arg in enumerate(kernel.record.args):
@@ -126,14 +130,15 @@ def test_call_frame_carries_the_scale(cpu_built: dict) -> None:
             values += [0x1000 * (i + 1)] + [7 + i] * len(arg.dynamic_shape_dims) \
                 + [64 * (i + 1)] * len(arg.dynamic_stride_dims)
         elif arg.kind == "scalar":
-            values.append(0.041666668)
+            values.append(0.041666668 if arg.dtype == "float32" else -132)
         else:
             values.append(0xABCDEF)
     buf, argv = frame.pack(values)
     view = frame.frame_type.from_buffer_copy(buf.raw[:ctypes.sizeof(frame.frame_type)])
     scale_index = [a.kind for a in kernel.record.args].index("scalar")
     assert getattr(view, f"a{scale_index}") == pytest.approx(0.041666668, rel=1e-7)
-    assert getattr(view, f"a{scale_index + 1}") == 0xABCDEF
+    assert getattr(view, f"a{scale_index + 1}") == -132  # int32, sign kept
+    assert getattr(view, f"a{scale_index + 2}") == 0xABCDEF
     assert view.a0.data == 0x1000 and list(view.a0.shapes) == [7]
     pointers = struct.unpack_from(frame.argv_format, buf, frame.argv_offset)
     base = ctypes.addressof(buf)
@@ -153,22 +158,25 @@ def test_bad_inputs_raise_before_cuda(cpu_built: dict) -> None:
                 topk_length=torch.zeros(s_q, dtype=torch.int32),
                 attn_sink=torch.zeros(h), out=torch.zeros(s_q, h, 512, dtype=torch.bfloat16),
                 lse=torch.zeros(s_q, h))
-    with pytest.raises(TypeError, match="missing scalar arguments \\['softmax_scale'\\]"):
+    with pytest.raises(TypeError, match="missing scalar arguments \\['softmax_scale', 'num_sms'\\]"):
         kernel(**good)
     with pytest.raises(TypeError, match="softmax_scale must be a real number"):
-        kernel(**good, softmax_scale="0.1")
+        kernel(**good, softmax_scale="0.1", num_sms=132)
+    with pytest.raises(TypeError, match="num_sms must be an integer, got float"):
+        kernel(**good, softmax_scale=0.1, num_sms=132.0)
+    with pytest.raises(ValueError, match="num_sms=2147483648 does not fit an int32"):
+        kernel(**good, softmax_scale=0.1, num_sms=2**31)
+    sc = dict(softmax_scale=0.1, num_sms=132)
     with pytest.raises(ValueError, match="q: size\\[1\\] must be 64, got 16"):
-        kernel(**(good | {"q": torch.zeros(s_q, 16, 576, dtype=torch.bfloat16)}),
-               softmax_scale=0.1)
+        kernel(**(good | {"q": torch.zeros(s_q, 16, 576, dtype=torch.bfloat16)}), **sc)
     with pytest.raises(ValueError, match="kv: size\\[1\\] must be 576, got 512"):
-        kernel(**(good | {"kv": torch.zeros(s_kv, 512, dtype=torch.bfloat16)}), softmax_scale=0.1)
+        kernel(**(good | {"kv": torch.zeros(s_kv, 512, dtype=torch.bfloat16)}), **sc)
     with pytest.raises(ValueError, match="topk_idxs must be int32"):
-        kernel(**(good | {"topk_idxs": torch.zeros(s_q, k, dtype=torch.int64)}),
-               softmax_scale=0.1)
+        kernel(**(good | {"topk_idxs": torch.zeros(s_q, k, dtype=torch.int64)}), **sc)
     with pytest.raises(ValueError, match="has s_q=3"):
-        kernel(**(good | {"lse": torch.zeros(s_q + 1, h)}), softmax_scale=0.1)
+        kernel(**(good | {"lse": torch.zeros(s_q + 1, h)}), **sc)
     with pytest.raises(ValueError, match="must be a CUDA tensor"):
-        kernel(**good, softmax_scale=0.1)
+        kernel(**good, **sc)
 
 
 def test_build_request_validation() -> None:
@@ -250,7 +258,10 @@ def test_warp_specialised_flavours_build(tmp_path: Path, impl: str, variants: li
         assert (rec.impl, rec.kv_stages, rec.d_qk, rec.heads, rec.layout) == (
             impl, 2, d_qk, heads, layout)
         assert rec.name == fwd_name("sm_90a", d_qk, heads, layout, None, impl)
-        assert [a.name for a in rec.args] == TENSORS[layout] + ["softmax_scale", "stream"]
+        scalars = ["softmax_scale", "num_sms"] if impl == "wgmma_split" else ["softmax_scale"]
+        assert [a.name for a in rec.args] == TENSORS[layout] + scalars + ["stream"]
+        if impl == "wgmma_split":  # the persistent grid's size, an int32 by value
+            assert rec.args[-2].dtype == "int32"
         cubin = embedded_cubin((tmp_path / rec.name / rec.object_file).read_bytes())
         flags, = struct.unpack_from("<I", cubin, 0x30)
         assert 90 in (flags & 0xFF, (flags >> 8) & 0xFF)
@@ -313,8 +324,9 @@ def gpu_kernels(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int
 
 def run_fwd(kernels: dict, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
             length: torch.Tensor | None, sink: torch.Tensor | None,
-            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch of the matching loaded kernel into NaN-poisoned outputs."""
+            scale: float, num_sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch of the matching loaded kernel into NaN-poisoned outputs (a persistent kernel
+    gets ``num_sms`` CTAs at most: the GPU's SM count by default)."""
     s_q, heads, d_qk = q.shape
     layout = "compact" if length is not None else "noncompact"
     kernel = kernels[(d_qk, heads, layout)].kernel  # the loaded library (tensors by name)
@@ -325,7 +337,11 @@ def run_fwd(kernels: dict, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
     tensors = dict(q=q, kv=kv, topk_idxs=idx, attn_sink=sink, out=out, lse=lse)
     if length is not None:
         tensors["topk_length"] = length
-    kernel(**tensors, softmax_scale=scale)
+    if "num_sms" in kernel.scalar_names:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        kernel(**tensors, softmax_scale=scale, num_sms=num_sms or sms)
+    else:
+        kernel(**tensors, softmax_scale=scale)
     torch.cuda.synchronize()
     return out, lse
 
@@ -360,8 +376,9 @@ def make_inputs(s_q: int, s_kv: int, k: int, heads: int, d_qk: int, layout: str,
 
 
 def check_against_reference(kernels: dict, inp: dict, scale: float, out_tol: float = 1e-2,
-                            lse_tol: float = 1e-3) -> dict[str, float]:
-    out, lse = run_fwd(kernels, inp["q"], inp["kv"], inp["idx"], inp["length"], inp["sink"], scale)
+                            lse_tol: float = 1e-3, num_sms: int | None = None) -> dict[str, float]:
+    out, lse = run_fwd(kernels, inp["q"], inp["kv"], inp["idx"], inp["length"], inp["sink"], scale,
+                       num_sms)
     ref_out, ref_lse = sparse_mla_fwd_ref(inp["q"], inp["kv"], inp["idx"], inp["length"],
                                           inp["sink"], scale)
     assert not torch.isnan(out).any(), "NaN in out (a poisoned element was not written)"
@@ -518,3 +535,19 @@ def test_gpu_k_one_and_empty_batch(gpu_kernels: dict) -> None:
     out, lse = run_fwd(gpu_kernels, q0, empty["kv"], empty["idx"][:0], empty["length"][:0],
                        empty["sink"], 0.05)
     assert out.shape == (0, 64, 512) and lse.shape == (0, 64)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("variant", [(576, 128, "compact"), (512, 16, "noncompact"),
+                                     (576, 64, "noncompact")], ids=lambda v: "d%d-h%d-%s" % v)
+def test_gpu_persistent_grid_of_any_size(gpu_kernels: dict, variant: tuple) -> None:
+    """A persistent kernel's CTAs run every tile whatever the grid: one CTA for all tiles, odd
+    counts (H128 rounds them down to whole rows), fewer tiles than CTAs; compact rows of varied
+    lengths (zero included) carry the mbarrier phases from tile to tile."""
+    d_qk, heads, layout = variant
+    if "num_sms" not in gpu_kernels[variant].kernel.scalar_names:
+        pytest.skip("not a persistent flavour")
+    inp = make_inputs(37, 900, 300, heads, d_qk, layout, seed=11)
+    for num_sms in (1, 2, 3, 7, 64, 1000):
+        check_against_reference(gpu_kernels, inp, d_qk ** -0.5, num_sms=num_sms)
