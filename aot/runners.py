@@ -137,12 +137,11 @@ class CuteFwd(FwdKernel):
         dev = q.device
         out = torch.empty((s_q, heads, D_V), dtype=torch.bfloat16, device=dev)
         lse = torch.empty((s_q, heads), dtype=torch.float32, device=dev)
-        tensors = self._pick((q, kv, topk_idxs, topk_length, attn_sink, out, lse))
+        scalars = {"softmax_scale": softmax_scale}
         if self._persistent:
-            self.kernel(*tensors, stream=current_stream(dev), softmax_scale=softmax_scale,
-                        num_sms=_sm_count(dev))
-        else:
-            self.kernel(*tensors, stream=current_stream(dev), softmax_scale=softmax_scale)
+            scalars["num_sms"] = _sm_count(dev)
+        self.kernel(*self._pick((q, kv, topk_idxs, topk_length, attn_sink, out, lse)),
+                    stream=current_stream(dev), **scalars)
         return out, lse
 
 

@@ -249,14 +249,7 @@ class SparseMlaFwdSplit:
             t_g_q = thr_kv.partition_S(cute.local_tile(m_q[t, None, None], (BLOCK_H, d),
                                                        (hb, 0)))
             cute.arch.mbarrier_wait(q_free, (i % 2) ^ 1)
-            for m in cutlass.range_constexpr(BLOCK_H // WS_ROWS_PER_PASS):
-                if cutlass.const_expr(self.heads >= BLOCK_H):
-                    cute.copy(kv_copy, t_g_q[None, m, None], t_s_q[None, m, None])
-                else:
-                    if p_row + m * WS_ROWS_PER_PASS < self.heads:
-                        cute.copy(kv_copy, t_g_q[None, m, None], t_s_q[None, m, None])
-                    else:
-                        t_s_q[None, m, None].fill(0)
+            self.copy_head_rows(kv_copy, t_g_q, t_s_q, p_row, True)
             cute.arch.cp_async_mbarrier_arrive_noinc(q_ready)
             cute.arch.mbarrier_arrive(q_ready)
             for k in cutlass.range(n_pairs, unroll=1):
@@ -470,13 +463,22 @@ class SparseMlaFwdSplit:
         t_s = thr_vec.partition_S(s_o)  # (CPY, 4, 4): passes of 16 rows, 64-column tiles
         t_g = thr_vec.partition_D(cute.local_tile(m_out[t, None, None], (BLOCK_H, HALF),
                                                   (hb, w)))
-        row0 = wtid // cols
+        self.copy_head_rows(vec_copy, t_s, t_g, wtid // cols, False)
+
+    @cute.jit
+    def copy_head_rows(self, copy: cute.TiledCopy, src: cute.Tensor, dst: cute.Tensor,
+                       row0: Int32, zero_fill: cutlass.Constexpr) -> None:
+        """Copy a thread's ``(CPY, passes, tiles)`` partitions of a 64-head tile, one pass of
+        16 head rows at a time (its row in the first pass: ``row0``). Rows past ``heads`` are
+        skipped, or zero-filled in ``dst`` with ``zero_fill``."""
         for m in cutlass.range_constexpr(BLOCK_H // WS_ROWS_PER_PASS):
             if cutlass.const_expr(self.heads >= BLOCK_H):
-                cute.copy(vec_copy, t_s[None, m, None], t_g[None, m, None])
+                cute.copy(copy, src[None, m, None], dst[None, m, None])
             else:
                 if row0 + m * WS_ROWS_PER_PASS < self.heads:
-                    cute.copy(vec_copy, t_s[None, m, None], t_g[None, m, None])
+                    cute.copy(copy, src[None, m, None], dst[None, m, None])
+                elif cutlass.const_expr(zero_fill):
+                    dst[None, m, None].fill(0)
 
     @cute.jit
     def issue_qk(self, buf: cutlass.Constexpr, half: cutlass.Constexpr, acc_s: cute.Tensor,
