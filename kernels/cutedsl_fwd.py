@@ -156,6 +156,41 @@ def store_out_half(acc_o: cute.Tensor, c_o: cute.Tensor, thr_o: cute.core.ThrMma
 
 
 @cute.jit
+def gather_rows(kv_copy: cute.TiledCopy, t_g_kv: cute.Tensor, t_s_kv: cute.Tensor,
+                stage: Int32, idx: list, p_row: Int32, s_kv: Int32, row_stride: cutlass.Int64,
+                lo: cutlass.Constexpr, hi: cutlass.Constexpr, s_flags: cute.Tensor,
+                flag_base: Int32, wtid: Int32, flags: cutlass.Constexpr,
+                bn: cutlass.Constexpr) -> None:
+    """A producer thread's share of one gathered block: per pass of 16 rows, column tiles
+    ``[lo, hi)`` of KV row ``idx[m]`` into ``t_s_kv[..., stage]`` by ``cp.async`` (zeros for
+    an index outside ``[0, s_kv)``); with ``flags``, each row's validity into
+    ``s_flags[flag_base + row]``. ``t_g_kv``: the thread's partition of rows ``0..bn`` of KV,
+    moved to row ``idx[m]`` by its offset."""
+    whole = lo == 0 and hi == cute.size(t_s_kv, mode=[2])  # whole rows: one copy each
+    for m in cutlass.range_constexpr(bn // WS_ROWS_PER_PASS):
+        row = p_row + m * WS_ROWS_PER_PASS
+        valid = (idx[m] >= 0) & (idx[m] < s_kv)
+        if valid:
+            src_t = t_g_kv[None, m, None]
+            offset = cutlass.Int64(idx[m] - row) * row_stride
+            src = cute.make_tensor(src_t.iterator + offset, src_t.layout)
+            if cutlass.const_expr(whole):
+                cute.copy(kv_copy, src, t_s_kv[None, m, None, stage])
+            else:
+                for c in cutlass.range_constexpr(lo, hi):
+                    cute.copy(kv_copy, src[None, c], t_s_kv[None, m, c, stage])
+        else:
+            if cutlass.const_expr(whole):
+                t_s_kv[None, m, None, stage].fill(0)
+            else:
+                for c in cutlass.range_constexpr(lo, hi):
+                    t_s_kv[None, m, c, stage].fill(0)
+        if cutlass.const_expr(flags):
+            if wtid % (64 // VEC) == 0:
+                s_flags[flag_base + row] = Int32(1) if valid else Int32(0)
+
+
+@cute.jit
 def producer_idx(block: Int32, t: Int32, m_idx: cute.Tensor, n_valid: Int32, p_row: Int32,
                  bn: cutlass.Constexpr) -> list:
     """A producer thread's KV indices of block ``block`` (``bn`` slots), one per pass of 16
@@ -972,18 +1007,8 @@ class SparseMlaFwd:
                 stage = b % stages
                 idx = self.load_idx_ws(b, t, m_idx, n_valid, p_row)  # in flight during the wait
                 cute.arch.mbarrier_wait(empty_bar + stage, ((b // stages) % 2) ^ 1)
-                for m in cutlass.range_constexpr(bn // WS_ROWS_PER_PASS):
-                    row = p_row + m * WS_ROWS_PER_PASS
-                    valid = (idx[m] >= 0) & (idx[m] < s_kv)
-                    if valid:
-                        src_t = t_g_kv[None, m, None]
-                        offset = cutlass.Int64(idx[m] - row) * row_stride
-                        src = cute.make_tensor(src_t.iterator + offset, src_t.layout)
-                        cute.copy(kv_copy, src, t_s_kv[None, m, None, stage])
-                    else:
-                        t_s_kv[None, m, None, stage].fill(0)
-                    if wtid % (64 // VEC) == 0:
-                        s_valid_all[stage * bn + row] = Int32(1) if valid else Int32(0)
+                gather_rows(kv_copy, t_g_kv, t_s_kv, stage, idx, p_row, s_kv, row_stride,
+                            0, d // 64, s_valid_all, stage * bn, wtid, True, bn)
                 cute.arch.cp_async_mbarrier_arrive_noinc(full_bar + stage)
                 cute.arch.mbarrier_arrive(full_bar + stage)
             cute.arch.cp_async_commit_group()

@@ -65,7 +65,7 @@ from cutlass.utils import hopper_helpers as sm90_utils
 from dsa_aot.kernels.cutedsl_common import (D_V, VEC, quad_max, quad_sum, wg_acc_as_a,
                                             wg_rows_cols)
 from dsa_aot.kernels.cutedsl_fwd import (BLOCK_H, BLOCK_N, LOG2E, M_FLOOR, THREADS, WG_THREADS,
-                                         WS_ROWS_PER_PASS, check_params,
+                                         WS_ROWS_PER_PASS, check_params, gather_rows,
                                          producer_idx, row_lse_and_factor,
                                          ws_copies, ws_smem_layouts)
 
@@ -259,23 +259,10 @@ class SparseMlaFwdSplit:
                 for buf, half in ((0, 0), (1, 1), (0, 1), (1, 0)):
                     idx = idx0 if buf == 0 else idx1
                     cute.arch.mbarrier_wait(free + 2 * buf + half, phase)
-                    for m in cutlass.range_constexpr(BLOCK_N // WS_ROWS_PER_PASS):
-                        row = p_row + m * WS_ROWS_PER_PASS
-                        valid = (idx[m] >= 0) & (idx[m] < s_kv)
-                        if valid:
-                            src_t = t_g_kv[None, m, None]
-                            offset = cutlass.Int64(idx[m] - row) * row_stride
-                            src = cute.make_tensor(src_t.iterator + offset, src_t.layout)
-                            for c in cutlass.range_constexpr(half_tiles(half, d)[0],
-                                                             half_tiles(half, d)[1]):
-                                cute.copy(kv_copy, src[None, c], t_s_kv[None, m, c, buf])
-                        else:
-                            for c in cutlass.range_constexpr(half_tiles(half, d)[0],
-                                                             half_tiles(half, d)[1]):
-                                t_s_kv[None, m, c, buf].fill(0)
-                        if half == buf:  # a buffer's first half carries its validity flags
-                            if wtid % (TILE // VEC) == 0:
-                                s_valid[buf * BLOCK_N + row] = Int32(1) if valid else Int32(0)
+                    # a buffer's first half carries its validity flags
+                    gather_rows(kv_copy, t_g_kv, t_s_kv, buf, idx, p_row, s_kv, row_stride,
+                                *half_tiles(half, d), s_valid, buf * BLOCK_N, wtid, half == buf,
+                                BLOCK_N)
                     cute.arch.cp_async_mbarrier_arrive_noinc(ready + 2 * buf + half)
                     cute.arch.mbarrier_arrive(ready + 2 * buf + half)
             pairs_done = pairs_done + n_pairs
