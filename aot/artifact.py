@@ -19,7 +19,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dsa_aot.backends.base import StageArtifact
+from dsa_aot.backends.base import MANIFEST_FORMAT
+from dsa_aot.backends.stage import StageArtifact  # noqa: F401  (re-exported)
 from dsa_aot.specs.keys import BuildIdentity, RuntimeIdentity
 from dsa_aot.specs.models import KernelSpec
 
@@ -28,7 +29,7 @@ class ArtifactManifest(BaseModel):
     """The payload of a cache entry's ``meta.json``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    format: Literal["dsa-aot.artifact.v2"] = "dsa-aot.artifact.v2"
+    format: Literal[MANIFEST_FORMAT] = MANIFEST_FORMAT
     spec: KernelSpec
     key: str = Field(description="BuildIdentity.key(): the entry's key directory")
     build: BuildIdentity

@@ -9,7 +9,8 @@ image without compilers). Nothing here imports a compiler.
 from __future__ import annotations
 
 from dsa_aot.backends.base import KernelBackend
-from dsa_aot.specs.keys import BuildIdentity, RuntimeIdentity, host_tag, module_sources, sources_sha256
+from dsa_aot.specs.keys import BuildIdentity, RuntimeIdentity, module_sources
+from dsa_aot.specs.sources import runtime_identity_fields
 from dsa_aot.specs.models import KernelSpec
 from dsa_aot.specs.toolchain import Distribution, Toolchain
 
@@ -66,10 +67,8 @@ def build_identity(backend: KernelBackend, spec: KernelSpec, toolchain: Toolchai
 
 def runtime_identity(backend: KernelBackend, spec: KernelSpec) -> RuntimeIdentity:
     """What a process must match to load ``spec``'s artifact without compilers."""
-    kernels = backend.kernel_sources(spec)
-    return RuntimeIdentity(backend=backend.name, arch=spec.arch, host=host_tag(),
-                           runtime_sha256=sources_sha256(module_sources([backend.runtime_module])),
-                           kernel_sha256=sources_sha256(module_sources(kernels)))
+    return RuntimeIdentity(**runtime_identity_fields(backend.name, spec.arch, backend.runtime_module,
+                                                     backend.kernel_sources(spec)))
 
 
 def recorded_compilers_agree(backend: KernelBackend, recorded: BuildIdentity,

@@ -1,9 +1,11 @@
 """The public API: sparse MLA forward and backward, and a differentiable op.
 
 Each call validates its inputs, then looks its kernel up in a per-process dict keyed by
-(op, device, D_qk, heads, layout); only the first call of a key goes to the loader, which is
-imported then, with pydantic and the record models (or ahead by ``dsa_aot.preload()``). This
-module itself imports neither.
+(op, device, D_qk, heads, layout); only the first call of a key looks a kernel up: first by the
+serving path (:mod:`dsa_aot.serving`: a prebuilt hit in a process without compilers, read
+without pydantic), else by the loader, imported then with pydantic and the record models (or
+ahead by ``dsa_aot.preload()``). This module imports the serving path (a few small modules,
+no pydantic), not the loader.
 
 The ops ``torch.ops.dsa_aot.sparse_mla_fwd`` / ``sparse_mla_bwd`` are defined here with
 ``torch.library.Library``: a schema, one kernel for every device, a shape-only ``Meta`` kernel
@@ -18,6 +20,7 @@ import threading
 
 import torch
 
+from dsa_aot import serving as _serving
 from dsa_aot import settings as _settings
 from dsa_aot.errors import UnsupportedDeviceError
 from dsa_aot.specs.shapes import arch_of_capability
@@ -70,8 +73,6 @@ def _kernel(op: str, device: torch.device, d_qk: int, heads: int, layout: str,
 
                 kernel = ReferenceBackend.kernel(op)
             else:
-                from dsa_aot.loader import get_loader
-
                 index = device.index if device.index is not None else torch.cuda.current_device()
                 major, minor = torch.cuda.get_device_capability(index)
                 arch = arch_of_capability(major, minor)
@@ -80,10 +81,19 @@ def _kernel(op: str, device: torch.device, d_qk: int, heads: int, layout: str,
                         f"GPU {torch.cuda.get_device_name(index)} is sm_{major}{minor}; dsa-aot kernels are built "
                         "for sm_90a (Hopper) and sm_100a (Blackwell B200/GB200)")
                 with on_device(device):  # a library's load must not move the caller's current device
-                    kernel, _ = get_loader().resolve(op, arch, d_qk, heads, layout, index,
-                                                     deterministic=deterministic)
+                    kernel = _resolve(op, arch, d_qk, heads, layout, index, deterministic)
             _KERNELS[key] = kernel
     return kernel
+
+
+def _resolve(op: str, arch: str, d_qk: int, heads: int, layout: str, index: int, deterministic: bool):
+    """The serving path's prebuilt hit (no pydantic), else the loader's answer."""
+    hit = _serving.serve(op, arch, d_qk, heads, layout, index, deterministic)
+    if hit is not None:
+        return hit[0]
+    from dsa_aot.loader import get_loader
+
+    return get_loader().resolve(op, arch, d_qk, heads, layout, index, deterministic=deterministic)[0]
 
 
 def _sink(heads: int, device: torch.device) -> torch.Tensor:

@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dsa_aot.specs.models import D_V, KernelSpec
+from dsa_aot.specs.shapes import D_V, SpecFields
 
 if TYPE_CHECKING:
+    from dsa_aot.specs.models import KernelSpec
     from dsa_aot.backends.cutedsl.runtime import CuteDslKernel
     from dsa_aot.backends.tilelang.launch import CubinKernel
 
@@ -101,7 +102,7 @@ class TopkBuckets:
 
 
 class CubinFwd(FwdKernel):
-    def __init__(self, kernel: CubinKernel, spec: KernelSpec) -> None:
+    def __init__(self, kernel: CubinKernel, spec: KernelSpec | SpecFields) -> None:
         self.kernel = kernel
         self.spec = spec
 
@@ -125,7 +126,7 @@ class CuteFwd(FwdKernel):
     #: The tensors a forward call has, in the order :meth:`__call__` collects them.
     TENSORS = ("q", "kv", "topk_idxs", "topk_length", "attn_sink", "out", "lse")
 
-    def __init__(self, kernel: CuteDslKernel, spec: KernelSpec) -> None:
+    def __init__(self, kernel: CuteDslKernel, spec: KernelSpec | SpecFields) -> None:
         self.kernel = kernel
         self.spec = spec
         self._names = kernel.tensor_names
@@ -170,7 +171,7 @@ class StagedBwd(BwdKernel):
     TENSORS = ("q", "kv", "out", "dout", "lse", "topk_idxs", "topk_length", "attn_sink", "delta",
                "lse_sink", "dq", "dkv", "dkv_acc", "d_sink_acc", "d_sink")
 
-    def __init__(self, pre: BwdStage, main: BwdStage, post: BwdStage, spec: KernelSpec) -> None:
+    def __init__(self, pre: BwdStage, main: BwdStage, post: BwdStage, spec: KernelSpec | SpecFields) -> None:
         from dsa_aot.backends.tilelang.launch import CubinKernel  # ctypes only; no compiler
 
         self.pre, self.main, self.post = pre, main, post
@@ -248,7 +249,7 @@ def _sm_count(device: torch.device) -> int:
 class CubinBwd(StagedBwd):
     """Backward from three cubins (the TileLang backend)."""
 
-    def __init__(self, pre: CubinKernel, main: CubinKernel, post: CubinKernel, spec: KernelSpec) -> None:
+    def __init__(self, pre: CubinKernel, main: CubinKernel, post: CubinKernel, spec: KernelSpec | SpecFields) -> None:
         super().__init__(pre, main, post, spec)
 
 

@@ -145,10 +145,12 @@ CHILD = textwrap.dedent("""
     kv = torch.randn(4096, 576, device="cuda").to(torch.bfloat16)
     idx = torch.randint(0, 4096, (64, 2048), device="cuda", dtype=torch.int32)
     torch.cuda.synchronize()
+    before = set(sys.modules)
     t3 = time.perf_counter()
     out, lse = dsa_aot.sparse_mla_fwd(q, kv, idx)
     torch.cuda.synchronize()
     t4 = time.perf_counter()
+    by_first_call = sorted(set(sys.modules) - before)
     out, lse = dsa_aot.sparse_mla_fwd(q, kv, idx)
     torch.cuda.synchronize()
     t5 = time.perf_counter()
@@ -156,7 +158,10 @@ CHILD = textwrap.dedent("""
     spec = next(iter(dsa_aot.ops._KERNELS.values())).spec
     print(json.dumps({"import_torch_ms": (t1 - t0) * 1e3, "import_dsa_aot_ms": (t2 - t1) * 1e3,
                       "preload_ms": (t2b - t2) * 1e3, "first_call_ms": (t4 - t3) * 1e3, "second_call_ms": (t5 - t4) * 1e3,
-                      "compiler_modules_imported": mods, "spec": spec.id, "finite": bool(torch.isfinite(out.float()).all())}))
+                      "compiler_modules_imported": mods, "spec": spec.id, "finite": bool(torch.isfinite(out.float()).all()),
+                      "served_by": "loader" if "dsa_aot.loader" in by_first_call else "serving path",
+                      "modules_imported_by_first_call": len(by_first_call),
+                      "pydantic_imported_by_first_call": "pydantic" in by_first_call}))
 """)
 
 

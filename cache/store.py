@@ -17,10 +17,8 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import socket
-import stat
 import threading
 import time
 import uuid
@@ -34,19 +32,14 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 if TYPE_CHECKING:
     from filelock import FileLock
 
+from dsa_aot.cache.layout import (  # noqa: F401  (re-exported)
+    ENTRY_FORMAT, FEATURES, INDEX, LOCKS, META, QUARANTINE, STAGING, CacheError, CorruptArtifact, _check_name, mkdirs,
+    payload_sha256, sha256_bytes, shared_writable_reason)
+
 log = logging.getLogger("dsa_aot.cache")
 
-META = "meta.json"
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
-STAGING, QUARANTINE, LOCKS, INDEX, FEATURES = ".staging", ".quarantine", ".locks", ".index", ".features"
 
 
-class CacheError(RuntimeError):
-    """The store cannot do what was asked; the message says why and what to do."""
-
-
-class CorruptArtifact(CacheError):
-    """A file does not match the sha256 recorded for it."""
 
 
 class FileInfo(BaseModel):
@@ -70,7 +63,7 @@ class EntryMeta(BaseModel):
     vouches for all the rest (so for every byte of the entry)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    format: Literal["dsa-aot.entry.v1"] = "dsa-aot.entry.v1"
+    format: Literal[ENTRY_FORMAT] = ENTRY_FORMAT
     fingerprint: str
     arch: str
     spec_id: str
@@ -106,22 +99,12 @@ class GcReport:
     remaining_bytes: int
 
 
-def _check_name(kind: str, value: str) -> str:
-    if not _NAME.match(value) or value in (".", ".."):
-        raise CacheError(f"invalid {kind} {value!r}: use letters, digits, '_', '-', '.'")
-    return value
-
-
 def check_file_names(names: Iterable[str]) -> None:
     """Raise CacheError unless every name can be an entry's file (one safe component, not META)."""
     for name in names:
         if name == META:
             raise CacheError(f"{META} is reserved")
         _check_name("file", name)
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def sha256_file(path: Path) -> str:
@@ -131,11 +114,6 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 22), b""):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def payload_sha256(payload: dict[str, Any]) -> str:
-    """sha256 of the canonical JSON of an entry's payload."""
-    return sha256_bytes(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode())
 
 
 def _fsync_dir(path: Path) -> None:
@@ -158,20 +136,6 @@ def _host_tag() -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:8]
 
 
-def mkdirs(path: Path) -> None:
-    """``mkdir -p`` that creates every missing level with mode 0755, so a umask such as 002
-    never makes the tree group-writable (which the loader would then refuse to load from)."""
-    missing = []
-    while not path.is_dir() and path != path.parent:
-        missing.append(path)
-        path = path.parent
-    for level in reversed(missing):
-        try:
-            level.mkdir(mode=0o755)
-        except FileExistsError:
-            pass
-
-
 def _create_0644(path: str, flags: int) -> int:
     return os.open(path, flags, 0o644)
 
@@ -181,21 +145,6 @@ def _write_file(path: Path, data: bytes) -> None:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
-
-
-def shared_writable_reason(root: Path) -> str | None:
-    """Why ``root`` is unsafe to load code from (writable by other users), or None."""
-    try:
-        st = root.stat()
-    except FileNotFoundError:
-        return None
-    if st.st_mode & stat.S_IWOTH:
-        return f"{root} is world-writable (mode {stat.filemode(st.st_mode)})"
-    if st.st_mode & stat.S_IWGRP:
-        return f"{root} is group-writable (mode {stat.filemode(st.st_mode)})"
-    if hasattr(os, "getuid") and st.st_uid not in (os.getuid(), 0):
-        return f"{root} is owned by uid {st.st_uid}, not by this user"
-    return None
 
 
 class ArtifactStore:

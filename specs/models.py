@@ -9,11 +9,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from dsa_aot.specs.shapes import (ARCH_OF_CAPABILITY, D_V, SUPPORTED_D_QK,  # noqa: F401  (re-exported)
-                                  SUPPORTED_HEADS, arch_of_capability)
-
-Op = Literal["fwd", "bwd"]
-Arch = Literal["sm_90a", "sm_100a"]
-Layout = Literal["compact", "noncompact"]
+                                  SUPPORTED_HEADS, Arch, Layout, Op, arch_of_capability, spec_id)
 #: A backend name: a subpackage of ``dsa_aot.backends`` (checked when a spec is made).
 Backend = Annotated[str, AfterValidator(lambda name: _known_backend(name))]
 
@@ -86,11 +82,8 @@ class KernelSpec(BaseModel):
         A top-k bucket appends ``-k<topk>``, the deterministic variant ``-det``, a non-default
         tile config a short hash of it, so tuned variants never collide.
         """
-        base = f"{self.op}-{self.arch}-d{self.d_qk}-h{self.heads}-{self.layout}-{self.backend}"
-        if self.topk is not None:
-            base += f"-k{self.topk}"
-        if self.deterministic:
-            base += "-det"
+        base = spec_id(self.op, self.arch, self.d_qk, self.heads, self.layout, self.backend, self.topk,
+                       self.deterministic)
         tile = self.tile.model_dump(exclude_none=True)
         if not tile:
             return base

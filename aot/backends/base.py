@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import types
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
-
 if TYPE_CHECKING:
     from dsa_aot.artifact import ArtifactManifest
+    from dsa_aot.backends.stage import StageArtifact
     from dsa_aot.specs.models import KernelSpec
 
 #: Parameter names each stage may take (the kernel files' naming contract).
@@ -38,15 +38,8 @@ STAGE_PARAMS: dict[str, frozenset[str]] = {
 }
 
 
-class StageArtifact(BaseModel):
-    """One compiled kernel: its file and the backend's record of how to run it."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    name: str
-    format: str = Field(description="the backend's file format, e.g. 'cubin' or 'cutedsl_so'")
-    file: str
-    record: dict[str, Any] = Field(description="the backend's launch record (JSON)")
-
+#: ``format`` of every artifact manifest (:class:`~dsa_aot.artifact.ArtifactManifest`).
+MANIFEST_FORMAT = "dsa-aot.artifact.v2"
 
 #: The stages of each op, in launch order (every backend implements an op with these stages).
 OP_STAGES: dict[str, tuple[str, ...]] = {"fwd": ("fwd",), "bwd": ("bwd_preprocess", "bwd_main", "bwd_postprocess")}
@@ -104,6 +97,9 @@ class KernelBackend(ABC):
     #: Archs whose backward this backend also builds as a deterministic variant
     #: (``KernelSpec.deterministic``).
     deterministic_archs: ClassVar[frozenset[str]] = frozenset()
+    #: Whether :meth:`load_sealed` loads this backend's entries without pydantic (the serving
+    #: path, :mod:`dsa_aot.serving`); otherwise only the loader serves them.
+    loads_sealed: ClassVar[bool] = False
 
     def implements(self, op: str) -> bool:
         return op in self.stages
@@ -157,6 +153,25 @@ class KernelBackend(ABC):
         """A :class:`~dsa_aot.runners.FwdKernel` / :class:`~dsa_aot.runners.BwdKernel` from stored
         files (``read(name)`` returns sha256-checked bytes). Never imports a compiler. Raises
         :class:`CudaError` for a driver problem and ``CorruptArtifact`` for bad bytes."""
+
+    def load_sealed(self, spec: Any, stages: Any, read: Callable[[str], bytes], device_index: int,
+                    digests: Mapping[str, str] | None = None) -> Any:
+        """:meth:`load` without pydantic, for :attr:`loads_sealed` backends: ``spec`` a
+        :class:`~dsa_aot.specs.shapes.SpecFields`, ``stages`` views of the manifest's stages whose
+        records were validated when written and are sealed by the entry's payload digest;
+        ``digests`` the sha256 each file was checked against by ``read``."""
+        raise NotImplementedError(f"backend {self.name} has no pydantic-free load")
+
+
+def record_view(data: Any) -> Any:
+    """A stored JSON record read as attributes (objects become namespaces, arrays tuples): how
+    the load code reads a launch record without pydantic. The record was validated by its
+    model when written, and the entry's payload digest seals it since."""
+    if isinstance(data, dict):
+        return types.SimpleNamespace(**{k: record_view(v) for k, v in data.items()})
+    if isinstance(data, list):
+        return tuple(record_view(v) for v in data)
+    return data
 
 
 def nvcc_reason(spec: KernelSpec, features: Any | None) -> str | None:

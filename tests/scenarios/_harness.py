@@ -54,7 +54,7 @@ def make_backend(calls: list | None = None, cpu_load: bool = True, tiny: bool = 
     its ``load`` checks the cubins on the CPU instead of loading them into a GPU; without, the
     real ``load`` runs (on a machine without a driver it fails in ``CubinKernel``)."""
     from dsa_aot.backends.tilelang import TileLangBackend
-    from dsa_aot.backends.tilelang.launch import LaunchRecord
+    from dsa_aot.backends.tilelang.records import LaunchRecord
 
     kernels = dict(TileLangBackend.kernel_modules, fwd=TINY_KERNEL) if tiny else TileLangBackend.kernel_modules
 

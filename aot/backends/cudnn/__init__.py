@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from dsa_aot.backends.base import BuildError, Built, KernelBackend, StageArtifact, first_error_line
+from dsa_aot.backends.base import BuildError, Built, KernelBackend, first_error_line
 
 if TYPE_CHECKING:
     from dsa_aot.artifact import ArtifactManifest
@@ -106,6 +106,8 @@ class CudnnBackend(KernelBackend):
             data = library.read_bytes()
         if hashlib.sha256(data).hexdigest() != record.export.library_sha256:
             raise BuildError(f"{spec.id}: {library.name} changed after linking")
+        from dsa_aot.backends.stage import StageArtifact
+
         stage = StageArtifact(name=name, format="cutedsl_so", file=f"{name}.so", record=record.model_dump(mode="json"))
         return Built(files={stage.file: data}, stages=(stage,), build_seconds=round(time.perf_counter() - start, 3))
 

@@ -12,14 +12,15 @@ import hashlib
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsa_aot.backends.base import OP_STAGES, stage_modules, BuildError, Built, KernelBackend, StageArtifact, check_params, first_error_line
+from dsa_aot.backends.base import OP_STAGES, stage_modules, BuildError, Built, KernelBackend, check_params, first_error_line
 
 if TYPE_CHECKING:
     from dsa_aot.artifact import ArtifactManifest
+    from dsa_aot.backends.stage import StageArtifact
     from dsa_aot.backends.cutedsl.records import CuteExportRecord
     from dsa_aot.specs.models import KernelSpec
 
@@ -31,13 +32,14 @@ class CuteDslBackend(KernelBackend):
     build_modules = ("dsa_aot.backends.cutedsl.build", "dsa_aot.backends.cutedsl.worker")
     runtime_module = "dsa_aot.backends.cutedsl.runtime"
     compilers = ("nvidia-cutlass-dsl*",)
+    loads_sealed = True
     compiler_module = "cutlass"
     #: Link mode of every stage: self-contained libraries (see :mod:`.build`).
     link = "static_cudart"
     deterministic_archs = frozenset({"sm_90a"})
 
     def stage_module(self, spec: KernelSpec, stage: str) -> str:
-        from dsa_aot.backends.cutedsl.records import kernel_entry, stage_impl
+        from dsa_aot.backends.cutedsl.flavours import kernel_entry, stage_impl
 
         impl = stage_impl(stage, spec.arch, spec.heads, spec.tile.flavour, spec.deterministic)
         return kernel_entry(stage, impl)[0]
@@ -110,6 +112,8 @@ class CuteDslBackend(KernelBackend):
         data = (folder / record.library).read_bytes()
         if hashlib.sha256(data).hexdigest() != record.library_sha256:
             raise BuildError(f"{spec.id} stage {name}: {record.library} changed after linking")
+        from dsa_aot.backends.stage import StageArtifact
+
         return StageArtifact(name=name, format="cutedsl_so", file=f"{name}.so",
                              record=record.model_dump(mode="json")), data
 
@@ -117,6 +121,12 @@ class CuteDslBackend(KernelBackend):
         from dsa_aot.backends.cutedsl.runtime import load
 
         return load(manifest, read, device_index)
+
+    def load_sealed(self, spec: Any, stages: Any, read: Callable[[str], bytes], device_index: int,
+                    digests: Mapping[str, str] | None = None) -> Any:
+        from dsa_aot.backends.cutedsl.runtime import load_sealed
+
+        return load_sealed(spec, stages, read, device_index, digests)
 
 
 BACKEND = CuteDslBackend()

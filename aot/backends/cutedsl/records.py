@@ -1,84 +1,26 @@
 """Records of the CuTe DSL backend: what one exported, linked kernel library is and how to call it.
 
-JSON only (pydantic); this module imports neither ``cutlass`` nor ``torch``, so both the build
-side (:mod:`.build`, :mod:`.worker`) and the compiler-free load side (:mod:`.runtime`) share it.
+JSON only (pydantic); this module imports neither ``cutlass`` nor ``torch``. The build side
+(:mod:`.build`, :mod:`.worker`) writes and checks records with these models, the loader validates
+them before loading; the load code (:mod:`.runtime`) reads them as attribute views, pydantic-free.
 """
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Arch = Literal["sm_90a", "sm_100a"]
-CuteKernel = Literal["bwd_preprocess", "bwd_postprocess", "fwd", "bwd_main"]
-FwdLayout = Literal["compact", "noncompact"]
-FwdImpl = Literal["mma", "wgmma", "wgmma_pipe", "wgmma_ws", "wgmma_split"]
-#: The backward main stage's MMA flavours: mma.sync (any arch), wgmma (sm_90a) and the
-#: slot-major wgmma kernel for few heads (sm_90a, heads in :data:`BWD_SLOT_MAJOR_HEADS`).
-BwdMainImpl = Literal["mma", "wgmma", "wgmma_slot_major"]
-#: Head counts of ``impl=wgmma_slot_major`` (``dsa_aot.kernels.cutedsl_bwd_slot_major.HEADS``).
-BWD_SLOT_MAJOR_HEADS: tuple[int, ...] = (16, 32)
-#: Kernel module and compile function of each stage (``f(arch, **params)`` returns ``(compiled,
-#: fake_arguments)``); :data:`FLAVOUR_KERNELS` overrides it for a flavour with a module of its own.
-#: A spec's key and runtime identity cover exactly the module its build imports.
-KERNELS: dict[str, tuple[str, str]] = {
-    "fwd": ("dsa_aot.kernels.cutedsl_fwd", "compile_fwd"),
-    "bwd_preprocess": ("dsa_aot.kernels.cutedsl_bwd_preprocess", "compile_bwd_preprocess"),
-    "bwd_main": ("dsa_aot.kernels.cutedsl_bwd_main", "compile_bwd_main"),
-    "bwd_postprocess": ("dsa_aot.kernels.cutedsl_bwd_postprocess", "compile_bwd_postprocess"),
-}
-FLAVOUR_KERNELS: dict[tuple[str, str], tuple[str, str]] = {
-    ("bwd_main", "wgmma_slot_major"): ("dsa_aot.kernels.cutedsl_bwd_slot_major",
-                                       "compile_bwd_slot_major"),
-}
-#: The forward's MMA flavour per arch when a request names none (wgmma needs sm_90a).
-FWD_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma_split", "sm_100a": "mma"}
-#: The backward main stage's MMA flavour per arch when a request names none: wgmma on sm_90a
-#: (faster than mma on every benchmark row on the H200, bench/results/h200.md).
-BWD_MAIN_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma", "sm_100a": "mma"}
-#: ... except at these (arch, heads): the slot-major kernel, whose MMAs multiply no padded heads.
-BWD_MAIN_DEFAULT_IMPL_BY_HEADS: dict[tuple[str, int], str] = {
-    ("sm_90a", 16): "wgmma_slot_major", ("sm_90a", 32): "wgmma_slot_major"}
+from dsa_aot.backends.cutedsl.flavours import (  # noqa: F401  (re-exported)
+    BWD_MAIN_DEFAULT_IMPL, BWD_MAIN_DEFAULT_IMPL_BY_HEADS, BWD_SLOT_MAJOR_HEADS, FLAVOUR_KERNELS,
+    FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES, KERNELS, Arch, BwdMainImpl, CuteKernel, FwdImpl, FwdLayout,
+    bwd_main_default_impl, kernel_entry, stage_impl)
+from dsa_aot.backends.cutedsl.names import DSL_RUNTIME_LIB, RECORD_FILE, sha256_file  # noqa: F401  (re-exported)
 
-
-def bwd_main_default_impl(arch: str, heads: int | None, deterministic: bool = False) -> str:
-    """The backward main stage's flavour when a request names none (the deterministic variant
-    is always the wgmma kernel's)."""
-    if deterministic:
-        return "wgmma"
-    return BWD_MAIN_DEFAULT_IMPL_BY_HEADS.get((arch, heads or 0), BWD_MAIN_DEFAULT_IMPL[arch])
-
-
-def kernel_entry(stage: str, impl: str | None) -> tuple[str, str]:
-    """Module and compile function that build ``stage`` with MMA flavour ``impl``."""
-    return FLAVOUR_KERNELS.get((stage, impl or ""), KERNELS[stage])
-
-
-def stage_impl(stage: str, arch: str, heads: int, flavour: str | None,
-               deterministic: bool = False) -> str | None:
-    """The MMA flavour a stage is built with: the spec's ``tile.flavour`` or the default for
-    its arch and heads (None for stages without flavours)."""
-    if stage == "fwd":
-        return flavour or FWD_DEFAULT_IMPL[arch]
-    if stage == "bwd_main":
-        return flavour or bwd_main_default_impl(arch, heads, deterministic)
-    return None
-
-
-#: Gathered KV tiles in flight per flavour when a request names none (measured on the H200:
-#: mma 241 vs 208 TFLOPS with one vs two, wgmma 376 vs 353 with two vs one).
-FWD_DEFAULT_KV_STAGES: dict[str, int] = {"mma": 1, "wgmma": 2, "wgmma_pipe": 2,
-                                         "wgmma_ws": 2, "wgmma_split": 2}
 LinkMode = Literal["dsl_runtime", "static_cudart"]
 CType = Literal["int32", "int64"]
 
-RECORD_FILE = "record.json"
 RECORD_FORMAT = 1
-#: The DSL runtime library the ``dsl_runtime`` link mode needs at run time.
-DSL_RUNTIME_LIB = "libcute_dsl_runtime.so"
 _DSL_STATIC_SHIMS = "libcuda_dialect_runtime_static.a"
 WORKER_MODULE = "dsa_aot.backends.cutedsl.worker"
 
@@ -200,12 +142,3 @@ class CuteExportRecord(BaseModel):
     dsl_version: str
     library_sha256: str
     build_seconds: float = Field(description="compile + export in the worker, then link")
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

@@ -28,26 +28,22 @@ import sys
 import threading
 import tempfile
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsa_aot import settings
 from dsa_aot.backends.base import CudaError
-from dsa_aot.backends.cutedsl.records import (
-    RECORD_FILE,
-    CuteExportRecord,
-    RuntimeLibRecord,
-    ScalarArgRecord,
-    StreamArgRecord,
-    TensorArgRecord,
-    sha256_file,
-)
+from dsa_aot.backends.cutedsl.names import RECORD_FILE, sha256_file
 
 if TYPE_CHECKING:
     import torch
 
     from dsa_aot.artifact import ArtifactManifest
+    from dsa_aot.backends.cutedsl.records import (CuteExportRecord, RuntimeLibRecord, ScalarArgRecord,
+                                                  StreamArgRecord, TensorArgRecord)
+    from dsa_aot.specs.models import KernelSpec
+    from dsa_aot.specs.shapes import SpecFields
 
 #: A file, or a folder holding it, to use as the DSL runtime library.
 RUNTIME_ENV = "DSA_AOT_CUTE_DSL_RUNTIME"
@@ -133,13 +129,19 @@ def _open_runtime(rec: RuntimeLibRecord, artifact_dir: Path, explicit: Path | No
 # Kernel
 # --------------------------------------------------------------------------------------------
 
+def dynamic_dims(dims: Sequence[Any]) -> tuple[int, ...]:
+    """Positions of the run-time entries (``value`` None) of a record's shape or stride."""
+    return tuple(i for i, d in enumerate(dims) if d.value is None)
+
+
 def descriptor_type(arg: TensorArgRecord) -> type[ctypes.Structure]:
     """The C struct of a tensor argument: ``{void *data; shapes[n]; strides[m]}``."""
     fields: list[tuple[str, Any]] = [("data", ctypes.c_void_p)]
-    if arg.dynamic_shape_dims:
-        fields.append(("shapes", _CTYPES[arg.shape_ctype] * len(arg.dynamic_shape_dims)))
-    if arg.dynamic_stride_dims:
-        fields.append(("strides", _CTYPES[arg.stride_ctype] * len(arg.dynamic_stride_dims)))
+    shapes, strides = dynamic_dims(arg.shape), dynamic_dims(arg.stride)
+    if shapes:
+        fields.append(("shapes", _CTYPES[arg.shape_ctype] * len(shapes)))
+    if strides:
+        fields.append(("strides", _CTYPES[arg.stride_ctype] * len(strides)))
     return type(f"Descriptor_{arg.name}", (ctypes.Structure,), {"_fields_": fields})
 
 
@@ -251,8 +253,8 @@ class _TensorPlan:
         self.div_stride = [(i, d.divisibility) for i, d in enumerate(arg.stride)
                            if d.value is None and d.divisibility > 1]
         self.symbols = [(i, d.symbol) for i, d in enumerate(arg.shape) if d.symbol is not None]
-        self.dyn_shape = arg.dynamic_shape_dims
-        self.dyn_stride = arg.dynamic_stride_dims
+        self.dyn_shape = dynamic_dims(arg.shape)
+        self.dyn_stride = dynamic_dims(arg.stride)
         self.shape_limit = _LIMITS[arg.shape_ctype]
         self.align = arg.align
 
@@ -281,12 +283,13 @@ class CuteDslKernel:
     LAYOUTS = 64
 
     def __init__(self, artifact_dir: Path, record: CuteExportRecord, *,
-                 runtime_lib: Path | None = None, verify_runtime: bool = True) -> None:
+                 runtime_lib: Path | None = None, verify_runtime: bool = True,
+                 library: str | None = None) -> None:
         self.record = record
         self.directory = artifact_dir
         self.runtime_paths = [_open_runtime(r, artifact_dir, runtime_lib, verify_runtime)
                               for r in record.runtime_libs]
-        lib_path = artifact_dir / record.library
+        lib_path = artifact_dir / (library or record.library)
         try:
             self._lib = ctypes.CDLL(str(lib_path))
         except OSError as exc:
@@ -313,7 +316,7 @@ class CuteDslKernel:
         for a in record.args:
             if a.kind == "tensor":
                 order.append(self._names.index(a.name))
-                dims = len(a.dynamic_shape_dims) + len(a.dynamic_stride_dims)
+                dims = len(dynamic_dims(a.shape)) + len(dynamic_dims(a.stride))
                 order += range(layout_index, layout_index + dims)
                 layout_index += dims
             elif a.kind == "scalar":
@@ -567,6 +570,8 @@ def load_kernel(artifact_dir: str | os.PathLike[str], *, runtime_lib: str | os.P
     with _KERNELS_LOCK:
         kernel = _KERNELS.get(key)
         if kernel is None:
+            from dsa_aot.backends.cutedsl.records import CuteExportRecord
+
             try:
                 record = CuteExportRecord.model_validate_json((directory / RECORD_FILE).read_text())
             except (OSError, ValueError) as exc:
@@ -586,7 +591,7 @@ _CUTE_LOCK = threading.Lock()
 _SEALS = ("F_SEAL_SEAL", "F_SEAL_SHRINK", "F_SEAL_GROW", "F_SEAL_WRITE")
 
 
-def open_cute_library(record: CuteExportRecord, data: bytes) -> CuteDslKernel:
+def open_cute_library(record: CuteExportRecord, data: bytes, sha256: str | None = None) -> CuteDslKernel:
     """A CuTe DSL kernel ``dlopen``-ed from exactly ``data`` (already sha256-checked by the store).
 
     The bytes go into a sealed anonymous file (``memfd_create``; no path another process can
@@ -594,11 +599,12 @@ def open_cute_library(record: CuteExportRecord, data: bytes) -> CuteDslKernel:
     ``/proc/self/fd/<n>`` is opened. Without memfd or /proc, a private temporary folder (mode
     0700) holds the file until it is opened. One instance per distinct library per process:
     identical pre/post-processing libraries of many specs load once. Raises
-    :class:`~dsa_aot.cache.store.CorruptArtifact` when ``data`` is not the recorded library.
+    :class:`~dsa_aot.cache.layout.CorruptArtifact` when ``data`` is not the recorded library.
+    ``sha256``: the digest of ``data``, when the caller already checked it (not hashed again).
     """
-    from dsa_aot.cache.store import CorruptArtifact
+    from dsa_aot.cache.layout import CorruptArtifact
 
-    digest = hashlib.sha256(data).hexdigest()
+    digest = sha256 or hashlib.sha256(data).hexdigest()
     if digest != record.library_sha256:
         raise CorruptArtifact(f"{record.name}: library sha256 {digest[:12]} differs from its record "
                               f"({record.library_sha256[:12]})")
@@ -636,7 +642,7 @@ def _open_memfd(record: CuteExportRecord, data: bytes, digest: str) -> CuteDslKe
         if not (folder / str(fd)).exists():
             os.close(fd)
             return None
-        kernel = CuteDslKernel(folder, record.model_copy(update={"library": str(fd)}))
+        kernel = CuteDslKernel(folder, record, library=str(fd))
     except BaseException:
         os.close(fd)
         raise
@@ -656,21 +662,38 @@ def _open_tempfile(record: CuteExportRecord, data: bytes) -> CuteDslKernel:
 # --- the backend's load entry point ---------------------------------------------------------
 
 def load(manifest: ArtifactManifest, read: Callable[[str], bytes], device_index: int) -> Any:
+    """The loader's entry point: every stage record validated as a :class:`CuteExportRecord`,
+    then :func:`load_sealed`."""
+    from dsa_aot.backends.cutedsl.records import CuteExportRecord
+
+    for st in manifest.stages:
+        if st.format == "cutedsl_so":
+            CuteExportRecord.model_validate(st.record)
+    return load_sealed(manifest.spec, manifest.stages, read, device_index)
+
+
+def load_sealed(spec: KernelSpec | SpecFields, stages: Sequence[Any], read: Callable[[str], bytes],
+                device_index: int, digests: Mapping[str, str] | None = None) -> Any:
     """Open every stage's library from its verified bytes (ctypes only), then prepare them on
-    ``device_index``: a CUDA problem surfaces here, as a :class:`CuteRuntimeError` (a miss)."""
-    from dsa_aot.backends.base import BuildError
+    ``device_index``: a CUDA problem surfaces here, as a :class:`CuteRuntimeError` (a miss).
+
+    ``stages`` hold records as written by the build (validated there or by :func:`load`, and
+    sealed by the entry's payload digest); they are read as attribute views, without pydantic.
+    ``digests``: the sha256 ``read`` checked each file against (not computed again).
+    """
+    from dsa_aot.backends.base import BuildError, record_view
     from dsa_aot.runners import CuteFwd, StagedBwd
 
     kernels: dict[str, CuteDslKernel] = {}
-    for st in manifest.stages:
+    for st in stages:
         if st.format != "cutedsl_so":
-            raise BuildError(f"{manifest.spec.id}: stage {st.name} is {st.format}, not a CuTe DSL library")
-        record = CuteExportRecord.model_validate(st.record)
+            raise BuildError(f"{spec.id}: stage {st.name} is {st.format}, not a CuTe DSL library")
+        record = record_view(st.record)
         if record.kernel != st.name:
-            raise BuildError(f"{manifest.spec.id}: stage {st.name} holds a record of {record.kernel}")
-        kernels[st.name] = open_cute_library(record, read(st.file))
+            raise BuildError(f"{spec.id}: stage {st.name} holds a record of {record.kernel}")
+        kernels[st.name] = open_cute_library(record, read(st.file), (digests or {}).get(st.file))
     for kernel in kernels.values():
         kernel.prepare(device_index)
-    if manifest.spec.op == "fwd":
-        return CuteFwd(kernels["fwd"], manifest.spec)
-    return StagedBwd(kernels["bwd_preprocess"], kernels["bwd_main"], kernels["bwd_postprocess"], manifest.spec)
+    if spec.op == "fwd":
+        return CuteFwd(kernels["fwd"], spec)
+    return StagedBwd(kernels["bwd_preprocess"], kernels["bwd_main"], kernels["bwd_postprocess"], spec)

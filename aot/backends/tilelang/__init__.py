@@ -8,7 +8,7 @@ Build code: :mod:`.build` (imports tilelang). Load code: :mod:`.runtime`. Record
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from dsa_aot.backends.base import OP_STAGES, stage_modules, Built, KernelBackend, nvcc_reason
@@ -29,6 +29,7 @@ class TileLangBackend(KernelBackend):
     build_modules = ("dsa_aot.backends.tilelang.build",)
     runtime_module = "dsa_aot.backends.tilelang.runtime"
     compilers = ("tilelang", "apache-tvm-ffi")
+    loads_sealed = True
     compiler_module = "tilelang"
 
     def check_spec(self, spec: KernelSpec) -> None:
@@ -61,6 +62,12 @@ class TileLangBackend(KernelBackend):
         from dsa_aot.backends.tilelang.runtime import load
 
         return load(manifest, read, device_index)
+
+    def load_sealed(self, spec: Any, stages: Any, read: Callable[[str], bytes], device_index: int,
+                    digests: Mapping[str, str] | None = None) -> Any:
+        from dsa_aot.backends.tilelang.runtime import load_sealed
+
+        return load_sealed(spec, stages, read, device_index)
 
 
 BACKEND = TileLangBackend()

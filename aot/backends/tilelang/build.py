@@ -15,8 +15,9 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dsa_aot.backends.base import BuildError, StageArtifact, check_params, first_error_line
-from dsa_aot.backends.tilelang.launch import LaunchRecord, ParamRecord
+from dsa_aot.backends.stage import StageArtifact
+from dsa_aot.backends.base import BuildError, check_params, first_error_line
+from dsa_aot.backends.tilelang.records import LaunchRecord, ParamRecord
 
 if TYPE_CHECKING:
     from dsa_aot.specs.models import KernelSpec

@@ -1,6 +1,6 @@
 """Launch prebuilt cubins through the CUDA driver API, with no compiler in the process.
 
-A :class:`LaunchRecord` (written at build time, JSON) says everything a launch needs: the
+A :class:`~.records.LaunchRecord` (written at build time, JSON) says everything a launch needs: the
 entry symbol, the parameter list in order, the grid as expressions of the run-time sizes,
 the block shape and the dynamic shared memory. :class:`CubinKernel` loads the cubin with
 ``cuLibraryLoadData`` (context-independent, CUDA >= 12.0) and launches it with
@@ -12,11 +12,12 @@ from __future__ import annotations
 import ast
 import ctypes
 import threading
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, field_validator
+from typing import TYPE_CHECKING, Literal
 
 from dsa_aot.backends.base import CudaError
+
+if TYPE_CHECKING:
+    from dsa_aot.backends.tilelang.records import LaunchRecord
 
 ParamKind = Literal["ptr", "i32", "i64", "f32"]
 _CTYPE = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float}
@@ -24,30 +25,6 @@ _ALLOWED_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Name, ast.Load, as
                   ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod, ast.RShift, ast.LShift,
                   ast.USub, ast.Call)
 _ALLOWED_CALLS = {"min": min, "max": max}
-
-
-class ParamRecord(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    name: str
-    kind: ParamKind
-
-
-class LaunchRecord(BaseModel):
-    """How to launch one ``__global__`` function of a cubin (JSON, stored beside it)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    entry: str
-    params: tuple[ParamRecord, ...]
-    grid: tuple[str, str, str]
-    block: tuple[int, int, int]
-    dynamic_smem: int = 0
-
-    @field_validator("grid")
-    @classmethod
-    def _grid_is_arithmetic(cls, grid: tuple[str, str, str]) -> tuple[str, str, str]:
-        for expr in grid:
-            _check_expr(expr)
-        return grid
 
 
 def _check_expr(expr: str) -> ast.Expression:

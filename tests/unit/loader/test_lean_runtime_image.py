@@ -58,6 +58,38 @@ CHILD = textwrap.dedent('''
 ''')
 
 
+# A first call through the public path (dsa_aot.ops), the device faked as an H200 and stopped at
+# its first dlopen (TileLang: libcuda for the cubin; CuTe DSL: the sealed memfd of the library):
+# by then every check ran and every file was read and sha256-checked.
+FIRST_CALL = textwrap.dedent('''
+    import ctypes, json, sys
+    import torch
+    import dsa_aot
+    from dsa_aot import ops, serving
+
+    class Driver(BaseException):  # not an Exception: nothing on the way may catch it
+        pass
+
+    reached = []
+
+    def stop(self, name, *args, **kwargs):
+        reached.append(str(name))
+        raise Driver()
+
+    torch.cuda.get_device_capability = lambda index=None: (9, 0)
+    ops._current_device = lambda: 0
+    op = sys.argv[1]
+    why = serving.why_not(op, "sm_90a", 512, 16, "noncompact")
+    ctypes.CDLL.__init__ = stop
+    try:
+        ops._kernel(op, torch.device("cuda", 0), 512, 16, "noncompact")
+    except Driver:
+        pass
+    print(json.dumps({"why_not": why, "reached": reached, "pydantic": "pydantic" in sys.modules,
+                      "loader": "dsa_aot.loader" in sys.modules}))
+''')
+
+
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
     assert proc.returncode == 0, f"{cmd}: {proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
@@ -94,11 +126,16 @@ def prebuilt(tmp_path_factory) -> Path:
     return root
 
 
-def test_a_venv_without_compilers_resolves_every_prebuilt_spec(lean_python, prebuilt, tmp_path):
+def _serving_env(lean_python: Path, prebuilt: Path, tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSA_AOT_")}
     env.update(DSA_AOT_PREBUILT_DIR=str(prebuilt), DSA_AOT_CACHE_DIR=str(tmp_path / "cache"),
                DSA_AOT_REQUIRE_PREBUILT="1", PYTHONPATH="", CUDA_HOME="/nonexistent")
     env["PATH"] = f"{lean_python.parent}:/usr/bin:/bin"  # no nvcc either
+    return env
+
+
+def test_a_venv_without_compilers_resolves_every_prebuilt_spec(lean_python, prebuilt, tmp_path):
+    env = _serving_env(lean_python, prebuilt, tmp_path)
     proc = _run([str(lean_python), "-c", CHILD, *SPECS], env=env, cwd=tmp_path, timeout=600)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["compilers"] == {"tilelang": False, "cutlass": False, "tvm_ffi": False}
@@ -115,3 +152,18 @@ def test_a_venv_without_compilers_resolves_every_prebuilt_spec(lean_python, preb
     doctor = json.loads(_run([str(lean_python.parent / "dsa-aot"), "doctor"], env=env, cwd=tmp_path,
                              timeout=300).stdout)
     assert {b["lookup_rule"] for b in doctor["backends"].values()} == {"runtime identity"}
+
+
+@pytest.mark.parametrize("backend", ["tilelang", "cutedsl"])
+@pytest.mark.parametrize("op", ["fwd", "bwd"])
+def test_a_first_call_is_served_without_pydantic(lean_python, prebuilt, tmp_path, op, backend):
+    """The serving path: the first call's lookup, checks and reads import neither pydantic nor
+    the loader, twice (the second process reuses the remembered source graph and ranking)."""
+    env = dict(_serving_env(lean_python, prebuilt, tmp_path), DSA_AOT_BACKENDS=backend)
+    for _ in range(2):
+        proc = _run([str(lean_python), "-c", FIRST_CALL, op], env=env, cwd=tmp_path, timeout=600)
+        report = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert report["why_not"] is None, report
+        assert not report["pydantic"] and not report["loader"], report
+        (first, *_) = report["reached"]
+        assert first.endswith("libcuda.so.1") if backend == "tilelang" else first.startswith("/proc/self/fd/"), report

@@ -22,8 +22,8 @@ import pytest
 
 from dsa_aot.artifact import ArtifactManifest
 from dsa_aot.backends import get
-from dsa_aot.backends.base import StageArtifact
-from dsa_aot.backends.tilelang.launch import LaunchRecord
+from dsa_aot.backends.stage import StageArtifact
+from dsa_aot.backends.tilelang.records import LaunchRecord
 from dsa_aot.cache.store import ArtifactStore
 from dsa_aot.identity import build_identity, can_key_builds, runtime_identity
 from dsa_aot.loader import Loader

@@ -12,7 +12,7 @@ from cli_helpers import cli, sm_of_elf
 from dsa_aot.artifact import ArtifactManifest
 from dsa_aot.backends import get as get_backend
 from dsa_aot.backends.base import STAGE_PARAMS
-from dsa_aot.backends.tilelang.launch import LaunchRecord
+from dsa_aot.backends.tilelang.records import LaunchRecord
 from dsa_aot.cache.store import ArtifactStore
 from dsa_aot.identity import build_identity
 from dsa_aot.specs.catalog import load_catalog

@@ -55,12 +55,16 @@ BUILD = {
     "dsa_aot/kernels/cutedsl_bwd_postprocess.py": [("bwd", "cutedsl")],
     "dsa_aot/kernels/cutedsl_common.py": [("fwd", "cutedsl"), ("bwd", "cutedsl")],
     "dsa_aot/backends/tilelang/build.py": [(None, "tilelang")],
-    "dsa_aot/backends/tilelang/launch.py": [(None, "tilelang")],  # its LaunchRecord is built
+    "dsa_aot/backends/tilelang/launch.py": [(None, "tilelang")],  # grid expressions are checked with it
+    "dsa_aot/backends/tilelang/records.py": [(None, "tilelang")],  # its LaunchRecord is built
+    "dsa_aot/backends/stage.py": [(None, "tilelang")],  # build_stage makes the StageArtifact
     "dsa_aot/backends/tilelang/__init__.py": [(None, "tilelang")],
     # the cudnn backend builds through the CuTe DSL backend's worker, header checks and link
     "dsa_aot/backends/cutedsl/build.py": [(None, "cutedsl"), (None, "cudnn")],
     "dsa_aot/backends/cutedsl/worker.py": [(None, "cutedsl"), (None, "cudnn")],
     "dsa_aot/backends/cutedsl/records.py": [(None, "cutedsl"), (None, "cudnn")],
+    "dsa_aot/backends/cutedsl/flavours.py": [(None, "cutedsl"), (None, "cudnn")],  # kernel module per flavour
+    "dsa_aot/backends/cutedsl/names.py": [(None, "cutedsl"), (None, "cudnn")],  # record file, sha256
     "dsa_aot/backends/cutedsl/__init__.py": [(None, "cutedsl"), (None, "cudnn")],
     "dsa_aot/backends/cudnn/kernels.py": [(None, "cudnn")],  # every cudnn stage's compile function
     "dsa_aot/backends/cudnn/build.py": [(None, "cudnn")],
@@ -77,7 +81,9 @@ NO_BUILD = ["dsa_aot/loader.py", "dsa_aot/ops.py", "dsa_aot/cli.py", "dsa_aot/bu
             "dsa_aot/backends/tilelang/runtime.py", "dsa_aot/backends/cutedsl/runtime.py",
             "dsa_aot/backends/cudnn/runtime.py",
             "dsa_aot/cache/store.py", "dsa_aot/cache/bundle.py", "dsa_aot/specs/catalog.py",
-            "dsa_aot/specs/keys.py", "dsa_aot/specs/probes.py", "dsa_aot/specs/toolchain.py"]
+            "dsa_aot/specs/keys.py", "dsa_aot/specs/probes.py", "dsa_aot/specs/toolchain.py",
+            "dsa_aot/serving.py", "dsa_aot/cache/layout.py", "dsa_aot/specs/installed.py",
+            "dsa_aot/specs/sources.py", "dsa_aot/specs/ranking.py"]
 #: file -> backends whose RUNTIME identity must change (load code and kernel sources).
 RUNTIME = {
     "dsa_aot/backends/tilelang/runtime.py": ["tilelang"],
@@ -93,6 +99,11 @@ RUNTIME = {
     "dsa_aot/backends/cutedsl/worker.py": [],
     "dsa_aot/backends/cudnn/kernels.py": ["cudnn"],
     "dsa_aot/backends/cudnn/build.py": [],
+    "dsa_aot/cache/layout.py": ["cutedsl"],  # CorruptArtifact, raised by the library check
+    "dsa_aot/backends/cutedsl/names.py": ["cutedsl", "cudnn"],
+    "dsa_aot/serving.py": [],
+    "dsa_aot/specs/sources.py": [],
+    "dsa_aot/specs/ranking.py": [],
 }
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+import dsa_aot.specs.installed as installed
 import dsa_aot.specs.toolchain as tc
 from dsa_aot import settings
 from dsa_aot.specs.probes import Features
@@ -256,7 +257,7 @@ def test_record_digest_is_remembered_for_that_record_file_only(env, tmp_path, mo
         assert identity == tc.file_identity(env.dist_info("tilelang") / "RECORD") and fact["digest"] == digest
         fact["digest"] = "remembered"
         memo_file.write_text(json.dumps(memo))
-        tc._memo_cache = None  # as a fresh process
+        installed._memo_cache = None  # as a fresh process
         assert tc.record_digest(dist, expect_native=True) == ("remembered", [])
         (env.site / "tilelang/lib/libtilelang.so").write_bytes(b"\x7fELF longer build")
         assert "rebuilt in place" in tc.record_digest(dist, expect_native=True)[1][0]
@@ -266,7 +267,7 @@ def test_record_digest_is_remembered_for_that_record_file_only(env, tmp_path, mo
     finally:
         monkeypatch.undo()
         settings.reload()
-        tc._memo_cache = None
+        installed._memo_cache = None
 
 
 def test_exec_wrapper_is_followed_to_the_toolkit_it_runs(env, tmp_path):

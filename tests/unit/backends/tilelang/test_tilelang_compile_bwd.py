@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("tilelang")
 
 from dsa_aot.backends.tilelang.build import compile_stage  # noqa: E402
-from dsa_aot.backends.tilelang.launch import LaunchRecord  # noqa: E402
+from dsa_aot.backends.tilelang.records import LaunchRecord  # noqa: E402
 from dsa_aot.kernels.tilelang_bwd import build_bwd_main  # noqa: E402
 from dsa_aot.kernels.tilelang_bwd_postprocess import build_bwd_postprocess  # noqa: E402
 from dsa_aot.kernels.tilelang_bwd_preprocess import build_bwd_preprocess  # noqa: E402
