@@ -2,9 +2,10 @@
 
 ``import dsa_aot`` loads no compiler and no pydantic; kernels come from the prebuilt cache (see
 README). In a process that has already imported torch, the API is bound at import (input
-checks, the ``torch.ops.dsa_aot`` ops); the loader and its record models are imported by the
-first call that needs a kernel, or ahead by :func:`preload`. Without torch the API modules are
-imported on first use, so the CLI starts without torch.
+checks, the ``torch.ops.dsa_aot`` ops, the serving path that loads a prebuilt hit without
+pydantic); the loader and its record models are imported by the first call the serving path
+leaves to it, or ahead by :func:`preload`. Without torch the API modules are imported on first
+use, so the CLI starts without torch.
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ _LAZY = {
 
 
 def preload() -> None:
-    """Import the kernel loader and its record models now, and read what a first call needs once
-    per process (the cache roots, the toolchain, the catalog's ranking), so the first call does
-    only per-variant work. Tens of milliseconds of CPU, mostly pydantic's import, which a process
-    that never calls a GPU kernel does not pay. Makes no CUDA call and imports no compiler."""
+    """Read what a first call needs once per process (the installed distributions, nvcc, the
+    catalog's ranking; the cache roots and toolchain), and import the kernel loader and its record
+    models, so a first call does only per-variant work even when the serving path leaves it to
+    the loader (a build image with compilers, a remote tier, signatures). Tens of milliseconds
+    of CPU, mostly pydantic's import. Makes no CUDA call and imports no compiler."""
+    from dsa_aot import serving
     from dsa_aot.loader import get_loader
 
+    serving.prepare()
     get_loader().prepare()
 
 

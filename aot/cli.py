@@ -273,6 +273,7 @@ def _backend_report(tc) -> dict[str, object]:
 
 def _would_serve(args, cfg) -> dict[str, object]:
     """For the first catalog spec of each arch and op: the stored entry the loader would serve."""
+    from dsa_aot import serving
     from dsa_aot.cache.store import ArtifactStore
     from dsa_aot.loader import Loader
 
@@ -283,7 +284,9 @@ def _would_serve(args, cfg) -> dict[str, object]:
         if label in out:
             continue
         match = next((m for m in (loader.find(s, spec) for s in stores) if m is not None), None)
-        out[label] = ({"spec": spec.id, "entry": f"{match.store.root}/{match.entry.key}", "rule": match.rule}
+        out[label] = ({"spec": spec.id, "entry": f"{match.store.root}/{match.entry.key}", "rule": match.rule,
+                       "serving_path": serving.why_not(spec.op, spec.arch, spec.d_qk, spec.heads, spec.layout,
+                                                       spec.deterministic) or "serves it without pydantic"}
                       if match else {"spec": spec.id, "entry": None,
                                      "then": "JIT" if cfg.jit and not cfg.require_prebuilt else
                                      "error (DSA_AOT_REQUIRE_PREBUILT=1)" if cfg.require_prebuilt

@@ -68,9 +68,10 @@ def serve(op: str, arch: str, d_qk: int, heads: int, layout: str, device_index: 
 
 def why_not(op: str, arch: str, d_qk: int, heads: int, layout: str, deterministic: bool = False) -> str | None:
     """Why :func:`serve` would leave this call shape to the loader before loading anything (None:
-    it would serve it). For tests and ``dsa-aot doctor``."""
+    it would serve it, up to the file checks and the load). For tests and ``dsa-aot doctor``."""
     try:
-        _pick(op, arch, d_qk, heads, layout, deterministic)
+        if _pick(op, arch, d_qk, heads, layout, deterministic) is None:
+            return "no ranked backend has an entry stored"
     except _Defer as why:
         return str(why)
     return None
@@ -284,6 +285,16 @@ def _import_load_code() -> None:
     for backend in BACKENDS.values():
         if backend.loads_sealed:
             importlib.import_module(backend.runtime_module)
+
+
+def prepare() -> None:
+    """Read this process's facts now (installed distributions, nvcc, the catalog's tables), as
+    :func:`dsa_aot.preload` does for the loader: a first call then reads only its entry."""
+    from dsa_aot.specs.ranking import ranking_tables
+
+    ranking_tables()
+    _distributions()
+    _nvcc_version()
 
 
 def reset() -> None:

@@ -2,8 +2,8 @@
 
 No wall-clock floors here: ``bench/bench_startup.py --import-only`` and ``--first-call-cpu``
 measure the time. These tests pin the structure the time depends on: no compiler is imported,
-neither pydantic nor the loader is imported before the first kernel lookup (or
-``dsa_aot.preload()``), the torch.library ops are defined without reading source code (what
+the serving path (pydantic-free) is bound at import while pydantic and the loader wait for a
+lookup the serving path leaves to the loader (or ``dsa_aot.preload()``), the torch.library ops are defined without reading source code (what
 made ``torch.library.custom_op`` cost milliseconds, more with every module loaded), and the
 first input check imports nothing.
 """
@@ -59,7 +59,7 @@ def test_import_without_torch_imports_neither_torch_nor_pydantic():
     assert got == []
 
 
-def test_api_module_leaves_the_loader_and_backends_to_the_first_call():
+def test_api_module_binds_the_serving_path_and_leaves_the_loader_to_a_lookup():
     got = _child("""
         import json, sys
         import dsa_aot       # before torch: nothing is bound
@@ -69,8 +69,12 @@ def test_api_module_leaves_the_loader_and_backends_to_the_first_call():
                           "ops": hasattr(torch.ops.dsa_aot, "sparse_mla_fwd")}))
     """)
     assert got["ops"]
-    lazy = ("dsa_aot.loader", "dsa_aot.backends", "dsa_aot.runners", "dsa_aot.artifact", "dsa_aot.cache.store")
-    assert [m for m in got["loaded"] if m.startswith(lazy)] == []
+    # the serving path and the load code it runs: the pydantic-free backends' runtimes, runners
+    assert {"dsa_aot.serving", "dsa_aot.backends.tilelang.runtime", "dsa_aot.backends.cutedsl.runtime",
+            "dsa_aot.runners"} <= set(got["loaded"])
+    lazy = ("dsa_aot.loader", "dsa_aot.artifact", "dsa_aot.cache.store", "dsa_aot.backends.cudnn.runtime",
+            "dsa_aot.specs.models", "dsa_aot.specs.toolchain")
+    assert [m for m in got["loaded"] if m.startswith(lazy) or m.endswith((".records", ".build"))] == []
 
 
 def test_op_definition_reads_no_source_and_scans_no_module_table():
@@ -107,15 +111,18 @@ def test_first_input_check_imports_nothing():
     assert got == []
 
 
-def test_import_after_torch_leaves_pydantic_and_the_loader_to_the_first_lookup():
+def test_import_after_torch_binds_the_serving_path_but_leaves_pydantic_and_the_loader_to_a_lookup():
     got = _child("""
         import json, sys
         import torch
         import dsa_aot
-        print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "pydantic" or m.startswith((
-            "dsa_aot.loader", "dsa_aot.cache", "dsa_aot.backends", "dsa_aot.artifact", "dsa_aot.specs.models")))))
+        print(json.dumps({"serving": "dsa_aot.serving" in sys.modules, "unwanted": sorted(
+            m for m in sys.modules if m.split(".")[0] in ("pydantic", "diskcache", "filelock") or (
+                m.startswith("dsa_aot.") and (m.endswith((".records", ".build")) or m in (
+                    "dsa_aot.loader", "dsa_aot.cache.store", "dsa_aot.artifact", "dsa_aot.specs.models",
+                    "dsa_aot.specs.keys", "dsa_aot.specs.toolchain", "dsa_aot.identity"))))}))
     """)
-    assert got == []
+    assert got == {"serving": True, "unwanted": []}
 
 
 def test_preload_imports_the_loader_and_every_ranked_backends_load_code_without_a_compiler_or_cuda(tmp_path):
