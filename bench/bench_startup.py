@@ -7,18 +7,19 @@
 
 0. ``--import-only`` (any machine): ``import dsa_aot`` after ``import torch`` in fresh
    processes (median, max; wall and CPU time, the latter robust to a busy machine), what it
-   imports (no pydantic), and where the CPU time goes (the API module ``dsa_aot.ops``; then what
-   the first kernel lookup adds: pydantic itself, the loader and its record models); then the
-   first call's input check (its part before the loader). ``--wheel`` measures the checkout's
+   imports (no pydantic), and where the CPU time goes (the API module ``dsa_aot.ops`` with the
+   serving path; then what a lookup left to the loader adds: pydantic itself, the loader and its
+   record models); then the first call's input check (its part before the lookup). ``--wheel`` measures the checkout's
    wheel installed by pip (bytecode compiled) instead of the installed (e.g. editable) package;
 0b. ``--first-call-cpu`` (any machine): the first call's kernel lookup from a prebuilt root up
    to the CUDA driver, in fresh processes of ``--python`` (a serving venv without compilers:
-   the lookup is by runtime identity), per case: TileLang only, the default ranking (CuTe DSL
+   the serving path serves it by runtime identity, without pydantic), per case: TileLang only, the default ranking (CuTe DSL
    forward), and TileLang after ``dsa_aot.preload()``; ``--prebuilt`` is a root holding
    ``fwd-sm_90a-d512-h16-noncompact-{tilelang,cutedsl}`` (``dsa-aot prebuild --arch sm_90a --only ...``);
 1. fresh process: time from the first ``sparse_mla_fwd`` call to its result (a prebuilt hit:
-   the loader's import with pydantic, fingerprint, lookup, sha256 check, module load, launch),
-   and which compiler modules got imported (none may be); ``--preload`` calls
+   the serving path's lookup and checks, sha256 of every file, module load, launch; or the
+   loader's, with pydantic's import, when the serving path defers), which path served it, and
+   which compiler modules got imported (none may be); ``--preload`` calls
    ``dsa_aot.preload()`` at startup, before that clock (its time is reported apart);
 2. per-call dispatch overhead of ``sparse_mla_fwd`` over the raw cubin launch, on a tiny shape;
 3. the JIT compile time of the same variant, read from the artifact's manifest (it was

@@ -231,3 +231,36 @@ def test_fresh_process_hit_imports_no_compiler():
     env = dict(os.environ, DSA_AOT_REQUIRE_PREBUILT="1")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
+
+
+@pytest.mark.skipif(not os.environ.get("DSA_AOT_PREBUILT_DIR"), reason="needs a prebuilt root")
+def test_fresh_process_serving_path_runs_forward_and_backward_without_pydantic():
+    """A serving image (no compiler installed): the serving path loads the prebuilt kernels from
+    their JSON records, and they compute what the reference computes."""
+    from dsa_aot import serving
+
+    why = serving.why_not("fwd", "sm_90a", 576, 64, "noncompact")
+    if why is not None:
+        pytest.skip(f"the serving path leaves this process's lookups to the loader: {why}")
+    code = ("import json, sys, torch, dsa_aot\n"
+            "from dsa_aot.kernels.reference import sparse_mla_fwd_ref\n"
+            "g = torch.Generator(device='cuda').manual_seed(0)\n"
+            "q = torch.randn(64, 64, 576, device='cuda', generator=g).to(torch.bfloat16)\n"
+            "kv = torch.randn(512, 576, device='cuda', generator=g).to(torch.bfloat16)\n"
+            "i = torch.randint(0, 512, (64, 256), device='cuda', dtype=torch.int32, generator=g)\n"
+            "q.requires_grad_(); kv.requires_grad_()\n"
+            "o, l = dsa_aot.sparse_mla(q, kv, i)\n"
+            "o.float().square().sum().backward(); torch.cuda.synchronize()\n"
+            "ro, rl = sparse_mla_fwd_ref(q.detach(), kv.detach(), i, None, None, 576 ** -0.5)\n"
+            "err = float((o.detach().double() - ro.double()).norm() / ro.double().norm())\n"
+            "grads = [bool(torch.isfinite(t.grad.float()).all()) for t in (q, kv)]\n"
+            "print(json.dumps({'err': err, 'grads_finite': grads, 'pydantic': 'pydantic' in sys.modules,\n"
+            "                  'loader': 'dsa_aot.loader' in sys.modules}))\n")
+    env = dict(os.environ, DSA_AOT_REQUIRE_PREBUILT="1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not got["pydantic"] and not got["loader"], got
+    assert got["err"] < 1e-2 and got["grads_finite"] == [True, True], got

@@ -16,37 +16,15 @@ from __future__ import annotations
 
 import logging
 import shutil
-import time
 
 import pytest
 
-from dsa_aot.artifact import ArtifactManifest
-from dsa_aot.backends import get
-from dsa_aot.backends.stage import StageArtifact
-from dsa_aot.backends.tilelang.records import LaunchRecord
 from dsa_aot.cache.store import ArtifactStore
 from dsa_aot.identity import build_identity, can_key_builds, runtime_identity
-from dsa_aot.loader import Loader
 from dsa_aot.specs.keys import RuntimeIdentity
-from dsa_aot.specs.models import KernelSpec
 from dsa_aot.specs.toolchain import Distribution, Toolchain
+from stored_entries import CUBIN, SPEC, loader_with, manifest, publish
 
-SPEC = KernelSpec.from_id("fwd-sm_90a-d576-h64-noncompact-tilelang")
-CUBIN = b"\x7fELF stand-in cubin"
-
-
-@pytest.fixture
-def backend():
-    return get("tilelang")
-
-
-@pytest.fixture
-def builder(backend) -> Toolchain:
-    """The toolchain that built the entries: this one, with TileLang and an nvcc."""
-    t = Toolchain.current()
-    if t.tilelang is None or can_key_builds(backend, t) is not None:
-        pytest.skip(f"needs TileLang and nvcc installed: {can_key_builds(backend, t)}")
-    return t
 
 
 @pytest.fixture
@@ -62,26 +40,6 @@ def loads(backend, monkeypatch) -> list:
     return calls
 
 
-def _manifest(backend, toolchain: Toolchain, runtime: RuntimeIdentity | None = None,
-              edited: str | None = None) -> ArtifactManifest:
-    """A manifest of ``SPEC`` built under ``toolchain`` (from an ``edited`` source file: another key)."""
-    identity = build_identity(backend, SPEC, toolchain)
-    if edited is not None:
-        assert edited in identity.sources
-        identity = identity.model_copy(update={"sources": {**identity.sources, edited: "e" * 64}})
-    record = LaunchRecord(entry="sparse_mla_fwd_kernel", params=(), grid=("1", "1", "1"), block=(128, 1, 1))
-    stage = StageArtifact(name="fwd", format="cubin", file="fwd.cubin", record=record.model_dump(mode="json"))
-    return ArtifactManifest(spec=SPEC, key=identity.key(), build=identity,
-                            runtime=runtime or runtime_identity(backend, SPEC), stages=(stage,),
-                            cuda_driver_min=toolchain.cuda_driver_min, build_seconds=1.0)
-
-
-def _publish(store: ArtifactStore, manifest: ArtifactManifest, cubin: bytes = CUBIN):
-    entry = store.publish(manifest.key, SPEC.arch, SPEC.id, {"fwd.cubin": cubin}, manifest.model_dump(mode="json"))
-    time.sleep(0.01)  # distinct creation times: candidates() orders newest first
-    return entry
-
-
 def _other_tilelang(toolchain: Toolchain) -> Toolchain:
     """The same TileLang version with other content (a rebuilt or patched install)."""
     tl = toolchain.tilelang
@@ -89,19 +47,13 @@ def _other_tilelang(toolchain: Toolchain) -> Toolchain:
                                                                  content_sha256="0" * 64)})
 
 
-def _loader(toolchain: Toolchain) -> Loader:
-    loader = Loader()
-    loader._toolchain = toolchain
-    return loader
-
-
 # --- (a) the compilers are installed: the exact build key only -------------------------------
 
 def test_installed_compilers_look_up_the_exact_key(cache_root, backend, builder, loads):
     store = ArtifactStore(cache_root)
-    mine = _publish(store, _manifest(backend, builder))
-    _publish(store, _manifest(backend, _other_tilelang(builder)), b"\x7fELF other build")  # newer
-    loader = _loader(builder)
+    mine = publish(store, manifest(backend, builder))
+    publish(store, manifest(backend, _other_tilelang(builder)), b"\x7fELF other build")  # newer
+    loader = loader_with(builder)
     assert loader.key_of(SPEC) == build_identity(backend, SPEC, builder).key() == mine.meta.fingerprint
     match = loader.find(store, SPEC)
     assert match is not None and match.rule == "build key" and match.entry.path == mine.path
@@ -120,11 +72,11 @@ def test_another_toolchains_entry_is_stale(cache_root, backend, builder, loads, 
         "nvcc version": builder.model_copy(update={"nvcc_version": "12.8.93", "cuda_driver_min": "12.8"}),
     }[other]
     store = ArtifactStore(cache_root)
-    stale = _publish(store, _manifest(backend, theirs))
+    stale = publish(store, manifest(backend, theirs))
     assert stale.meta.fingerprint != build_identity(backend, SPEC, builder).key()
     assert runtime_identity(backend, SPEC).mismatch(
         RuntimeIdentity.model_validate(stale.meta.payload["runtime"])) is None  # would match by runtime
-    loader = _loader(builder)
+    loader = loader_with(builder)
     with caplog.at_level(logging.INFO, logger="dsa_aot"):
         assert loader.find(store, SPEC) is None
         assert loader.try_load(SPEC, 0) is None
@@ -145,8 +97,8 @@ def no_compiler(backend, builder, monkeypatch) -> Toolchain:
 def test_without_the_compiler_the_runtime_identity_is_served(cache_root, backend, builder, no_compiler, loads,
                                                              caplog):
     store = ArtifactStore(cache_root)
-    entry = _publish(store, _manifest(backend, builder))
-    loader = _loader(no_compiler)
+    entry = publish(store, manifest(backend, builder))
+    loader = loader_with(no_compiler)
     assert loader.key_of(SPEC) is None
     with caplog.at_level(logging.INFO, logger="dsa_aot"):
         match = loader.find(store, SPEC)
@@ -165,12 +117,12 @@ def test_without_the_compiler_the_runtime_identity_is_served(cache_root, backend
 def test_without_the_compiler_another_runtime_identity_is_refused(cache_root, backend, builder, no_compiler,
                                                                   loads, caplog, field, value, words):
     store = ArtifactStore(cache_root)
-    good = _publish(store, _manifest(backend, builder))
+    good = publish(store, manifest(backend, builder))
     foreign = runtime_identity(backend, SPEC).model_copy(update={field: value})
     edited = "dsa_aot/kernels/tilelang_fwd.py" if field != "runtime_sha256" else "dsa_aot/backends/tilelang/build.py"
-    bad = _publish(store, _manifest(backend, builder, runtime=foreign, edited=edited), b"\x7fELF foreign")  # newer
+    bad = publish(store, manifest(backend, builder, runtime=foreign, edited=edited), b"\x7fELF foreign")  # newer
     assert bad.meta.fingerprint != good.meta.fingerprint
-    loader = _loader(no_compiler)
+    loader = loader_with(no_compiler)
     with caplog.at_level(logging.INFO, logger="dsa_aot"):
         match = loader.find(store, SPEC)
     assert match is not None and match.entry.path == good.path  # the newer, foreign one is skipped
@@ -179,7 +131,7 @@ def test_without_the_compiler_another_runtime_identity_is_refused(cache_root, ba
     shutil.rmtree(good.path)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="dsa_aot"):
-        assert _loader(no_compiler).try_load(SPEC, 0) is None  # only the foreign one left: refused
+        assert loader_with(no_compiler).try_load(SPEC, 0) is None  # only the foreign one left: refused
     assert f"not serving {bad.key}: its {words}" in caplog.text
     assert loads == []
 
@@ -189,7 +141,7 @@ def test_without_the_compiler_an_entry_without_identities_is_refused(cache_root,
     store = ArtifactStore(cache_root)
     old = store.publish("0123456789abcdef", SPEC.arch, SPEC.id, {"fwd.cubin": CUBIN}, {"fingerprint": "x"})
     with caplog.at_level(logging.INFO, logger="dsa_aot"):
-        assert _loader(no_compiler).try_load(SPEC, 0) is None
+        assert loader_with(no_compiler).try_load(SPEC, 0) is None
     assert f"not serving {old.key}: its manifest records no runtime identity" in caplog.text
     assert loads == []
 
@@ -205,8 +157,8 @@ def test_same_tilelang_without_nvcc_is_served_by_runtime_identity(cache_root, ba
                                                                   caplog):
     assert backend.missing_compiler() is None and "nvcc" in can_key_builds(backend, no_nvcc)
     store = ArtifactStore(cache_root)
-    entry = _publish(store, _manifest(backend, builder))
-    loader = _loader(no_nvcc)
+    entry = publish(store, manifest(backend, builder))
+    loader = loader_with(no_nvcc)
     assert loader.key_of(SPEC) is None
     with caplog.at_level(logging.INFO, logger="dsa_aot"):
         kernel, source, rule = loader.try_load(SPEC, 0)
@@ -228,9 +180,9 @@ def test_other_tilelang_without_nvcc_is_refused(cache_root, backend, builder, no
         "no tilelang": builder.model_copy(update={"tilelang": None}),
     }[other]
     store = ArtifactStore(cache_root)
-    entry = _publish(store, _manifest(backend, theirs))
+    entry = publish(store, manifest(backend, theirs))
     with caplog.at_level(logging.INFO, logger="dsa_aot"):
-        assert _loader(no_nvcc).try_load(SPEC, 0) is None
+        assert loader_with(no_nvcc).try_load(SPEC, 0) is None
     assert f"not serving {entry.key}: {words.format(v=tl.version)}, tilelang {tl.version} is installed here" \
         in caplog.text
     assert loads == []
@@ -239,9 +191,9 @@ def test_other_tilelang_without_nvcc_is_refused(cache_root, backend, builder, no
 def test_unidentifiable_tilelang_without_nvcc_is_refused(cache_root, backend, builder, no_nvcc, loads, caplog):
     """An installed TileLang whose content cannot be read (an editable install) vouches for nothing."""
     store = ArtifactStore(cache_root)
-    entry = _publish(store, _manifest(backend, builder))
+    entry = publish(store, manifest(backend, builder))
     weak = no_nvcc.model_copy(update={"complete": False, "incomplete_reasons": ("tilelang: editable install",)})
     with caplog.at_level(logging.INFO, logger="dsa_aot"):
-        assert _loader(weak).try_load(SPEC, 0) is None
+        assert loader_with(weak).try_load(SPEC, 0) is None
     assert f"not serving {entry.key}: tilelang installed here cannot be identified" in caplog.text
     assert loads == []

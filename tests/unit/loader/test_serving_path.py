@@ -14,39 +14,17 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from pathlib import Path
 
 import pytest
 
 from dsa_aot import serving, settings
-from dsa_aot.artifact import ArtifactManifest, StageArtifact
-from dsa_aot.backends import get
-from dsa_aot.backends.tilelang.records import LaunchRecord
 from dsa_aot.cache.store import ArtifactStore
-from dsa_aot.identity import build_identity, can_key_builds, runtime_identity
-from dsa_aot.loader import Loader
-from dsa_aot.specs.keys import RuntimeIdentity
-from dsa_aot.specs.models import KernelSpec
+from dsa_aot.identity import runtime_identity
 from dsa_aot.specs.toolchain import Toolchain
+from stored_entries import CUBIN, SPEC, loader_with, manifest, publish
 
-SPEC = KernelSpec.from_id("fwd-sm_90a-d576-h64-noncompact-tilelang")
 CALL = ("fwd", "sm_90a", 576, 64, "noncompact")
-CUBIN = b"\x7fELF stand-in cubin"
-
-
-@pytest.fixture
-def backend():
-    return get("tilelang")
-
-
-@pytest.fixture
-def builder(backend) -> Toolchain:
-    """The toolchain that built the entries: this one, with TileLang and an nvcc."""
-    t = Toolchain.current()
-    if t.tilelang is None or can_key_builds(backend, t) is not None:
-        pytest.skip(f"needs TileLang and nvcc installed: {can_key_builds(backend, t)}")
-    return t
 
 
 @pytest.fixture
@@ -91,27 +69,6 @@ def loads(backend, monkeypatch) -> list:
     return calls
 
 
-def _manifest(backend, toolchain: Toolchain, runtime: RuntimeIdentity | None = None) -> ArtifactManifest:
-    identity = build_identity(backend, SPEC, toolchain)
-    record = LaunchRecord(entry="sparse_mla_fwd_kernel", params=(), grid=("1", "1", "1"), block=(128, 1, 1))
-    stage = StageArtifact(name="fwd", format="cubin", file="fwd.cubin", record=record.model_dump(mode="json"))
-    return ArtifactManifest(spec=SPEC, key=identity.key(), build=identity,
-                            runtime=runtime or runtime_identity(backend, SPEC), stages=(stage,),
-                            cuda_driver_min=toolchain.cuda_driver_min, build_seconds=1.0)
-
-
-def _publish(store: ArtifactStore, manifest: ArtifactManifest, cubin: bytes = CUBIN):
-    entry = store.publish(manifest.key, SPEC.arch, SPEC.id, {"fwd.cubin": cubin}, manifest.model_dump(mode="json"))
-    time.sleep(0.01)  # distinct creation times
-    return entry
-
-
-def _loader(toolchain: Toolchain) -> Loader:
-    loader = Loader()
-    loader._toolchain = toolchain
-    return loader
-
-
 def _rewrite_meta(entry, edit) -> None:
     path = entry.path / "meta.json"
     meta = json.loads(path.read_text())
@@ -124,7 +81,7 @@ def _rewrite_meta(entry, edit) -> None:
 
 def test_a_prebuilt_entry_of_this_runtime_identity_is_served(roots, backend, builder, no_compiler, loads, caplog):
     prebuilt, _ = roots
-    entry = _publish(prebuilt, _manifest(backend, builder))
+    entry = publish(prebuilt, manifest(backend, builder))
     assert serving.why_not(*CALL) is None
     with caplog.at_level(logging.INFO, logger="dsa_aot"):
         kernel, source = serving.serve(*CALL, 0)
@@ -133,13 +90,13 @@ def test_a_prebuilt_entry_of_this_runtime_identity_is_served(roots, backend, bui
     assert f"serving {entry.key} by runtime identity (no tilelang compiler installed" in caplog.text
 
     # the loader, in the same situation, serves the same entry by the same rule
-    match = _loader(no_compiler).find(prebuilt, SPEC)
+    match = loader_with(no_compiler).find(prebuilt, SPEC)
     assert match is not None and match.rule == "runtime identity" and match.entry.path == entry.path
 
 
 def test_the_loaded_spec_is_the_entrys(roots, backend, builder, no_compiler, loads):
     prebuilt, _ = roots
-    _publish(prebuilt, _manifest(backend, builder))
+    publish(prebuilt, manifest(backend, builder))
     serving.serve(*CALL, 0)
     (_, spec_id, _, _), = loads
     assert spec_id == SPEC.id
@@ -148,7 +105,7 @@ def test_the_loaded_spec_is_the_entrys(roots, backend, builder, no_compiler, loa
 def test_the_next_ranked_backend_is_served_when_the_first_has_nothing_stored(roots, backend, builder, no_compiler,
                                                                              loads, monkeypatch, caplog):
     prebuilt, _ = roots
-    _publish(prebuilt, _manifest(backend, builder))
+    publish(prebuilt, manifest(backend, builder))
     monkeypatch.setenv("DSA_AOT_BACKENDS", "cutedsl,tilelang")  # nothing of cutedsl is stored
     settings.reload()
     with caplog.at_level(logging.INFO, logger="dsa_aot"):
@@ -166,7 +123,7 @@ def test_nothing_stored_is_none_and_the_loader_decides(roots, no_compiler, loads
 
 def test_with_the_compiler_installed_the_loader_looks_the_build_key_up(roots, backend, builder, loads):
     prebuilt, _ = roots
-    _publish(prebuilt, _manifest(backend, builder))
+    publish(prebuilt, manifest(backend, builder))
     serving.reset()
     assert "tilelang" in (serving.why_not(*CALL) or "")
     assert serving.serve(*CALL, 0) is None and loads == []
@@ -177,22 +134,22 @@ def test_with_the_compiler_installed_the_loader_looks_the_build_key_up(roots, ba
 def test_another_runtime_identity_is_left_to_the_loader(roots, backend, builder, no_compiler, loads, field, value):
     prebuilt, _ = roots
     foreign = runtime_identity(backend, SPEC).model_copy(update={field: value})
-    _publish(prebuilt, _manifest(backend, builder, runtime=foreign))
+    publish(prebuilt, manifest(backend, builder, runtime=foreign))
     assert "another runtime identity" in serving.why_not(*CALL)
     assert serving.serve(*CALL, 0) is None and loads == []
-    assert _loader(no_compiler).find(prebuilt, SPEC) is None  # the loader refuses it too
+    assert loader_with(no_compiler).find(prebuilt, SPEC) is None  # the loader refuses it too
 
 
 def test_another_nvcc_is_left_to_the_loader(roots, backend, builder, no_compiler, loads):
     prebuilt, _ = roots
-    _publish(prebuilt, _manifest(backend, builder.model_copy(update={"nvcc_version": "12.0.76"})))
+    publish(prebuilt, manifest(backend, builder.model_copy(update={"nvcc_version": "12.0.76"})))
     assert "built with nvcc 12.0.76" in serving.why_not(*CALL)
     assert serving.serve(*CALL, 0) is None and loads == []
 
 
 def test_a_tampered_payload_is_left_to_the_loader(roots, backend, builder, no_compiler, loads):
     prebuilt, _ = roots
-    entry = _publish(prebuilt, _manifest(backend, builder))
+    entry = publish(prebuilt, manifest(backend, builder))
     _rewrite_meta(entry, lambda m: m["payload"]["stages"][0]["record"].update(block=[1024, 1, 1]))
     assert "payload digest" in serving.why_not(*CALL)
     assert serving.serve(*CALL, 0) is None and loads == []
@@ -200,20 +157,20 @@ def test_a_tampered_payload_is_left_to_the_loader(roots, backend, builder, no_co
 
 def test_a_corrupt_file_is_left_to_the_loader(roots, backend, builder, no_compiler, loads, caplog):
     prebuilt, _ = roots
-    entry = _publish(prebuilt, _manifest(backend, builder))
+    entry = publish(prebuilt, manifest(backend, builder))
     cubin = entry.path / "fwd.cubin"
     os.chmod(cubin, 0o644)
     cubin.write_bytes(b"\x7fELF other bytes!!!")
     assert serving.why_not(*CALL) is None  # the bytes are checked when read
     assert serving.serve(*CALL, 0) is None and loads == []
     with caplog.at_level(logging.INFO, logger="dsa_aot"):
-        assert _loader(no_compiler).try_load(SPEC, 0) is None  # the loader refuses and says why
+        assert loader_with(no_compiler).try_load(SPEC, 0) is None  # the loader refuses and says why
     assert "sha256 mismatch" in caplog.text
 
 
 def test_an_entry_in_the_writable_cache_only_is_left_to_the_loader(roots, backend, builder, no_compiler, loads):
     _, cache = roots
-    _publish(ArtifactStore(cache), _manifest(backend, builder))
+    publish(ArtifactStore(cache), manifest(backend, builder))
     assert "writable cache only" in serving.why_not(*CALL)
     assert serving.serve(*CALL, 0) is None and loads == []
 
@@ -225,7 +182,7 @@ def test_an_entry_in_the_writable_cache_only_is_left_to_the_loader(roots, backen
 def test_a_remote_tier_or_trusted_keys_leave_it_to_the_loader(roots, backend, builder, no_compiler, loads,
                                                               monkeypatch, var, value, words):
     prebuilt, _ = roots
-    _publish(prebuilt, _manifest(backend, builder))
+    publish(prebuilt, manifest(backend, builder))
     monkeypatch.setenv(var, value)
     try:
         settings.reload()
@@ -237,7 +194,7 @@ def test_a_remote_tier_or_trusted_keys_leave_it_to_the_loader(roots, backend, bu
 
 def test_a_group_writable_entry_is_left_to_the_loader(roots, backend, builder, no_compiler, loads):
     prebuilt, _ = roots
-    entry = _publish(prebuilt, _manifest(backend, builder))
+    entry = publish(prebuilt, manifest(backend, builder))
     os.chmod(entry.path, 0o775)
     assert "writable by others" in serving.why_not(*CALL)
     assert serving.serve(*CALL, 0) is None and loads == []
@@ -247,9 +204,9 @@ def test_a_newer_foreign_entry_beside_a_good_one_is_left_to_the_loader(roots, ba
                                                                        loads):
     """The loader skips the newer foreign entry (and logs why); the serving path does not guess."""
     prebuilt, _ = roots
-    good = _publish(prebuilt, _manifest(backend, builder))
+    good = publish(prebuilt, manifest(backend, builder))
     foreign = runtime_identity(backend, SPEC).model_copy(update={"host": "linux-aarch64"})
-    _publish(prebuilt, _manifest(backend, builder.model_copy(update={"host": "linux-aarch64"}), runtime=foreign))
+    publish(prebuilt, manifest(backend, builder.model_copy(update={"host": "linux-aarch64"}), runtime=foreign))
     assert serving.serve(*CALL, 0) is None and loads == []
-    match = _loader(no_compiler).find(prebuilt, SPEC)
+    match = loader_with(no_compiler).find(prebuilt, SPEC)
     assert match is not None and match.entry.path == good.path
