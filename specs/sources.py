@@ -179,10 +179,14 @@ GRAPH_KIND = "graph"
 
 
 def _graph_tag(roots: list[str]) -> str | None:
-    """The memo key of a graph: its roots and the installed ``dsa_aot`` package they resolve in."""
+    """The memo key of a graph: its roots, the file each resolves to, and the installed
+    ``dsa_aot`` package (another install, or a layout that maps a root elsewhere, is another key)."""
     package = sys.modules.get(ROOT_PACKAGE)
     origin = getattr(package, "__file__", None)
-    return None if origin is None else "|".join([str(Path(origin).resolve()), *roots])
+    files = [_module_file(r) for r in roots]
+    if origin is None or None in files:
+        return None
+    return "|".join([os.path.realpath(origin), *roots, *map(os.path.realpath, files)])
 
 
 def _remembered_graph(tag: str | None) -> dict[str, str] | None:

@@ -154,3 +154,35 @@ def test_packaged_catalog_puts_the_faster_sm90_backward_first():
     for d_qk, heads in ((576, 64), (576, 128)):
         assert ranked(ranking, rules, "bwd", "sm_90a", d_qk, heads)[0] == "cudnn"
     assert ranked(ranking, rules, "bwd", "sm_100a", 512, 16)[0] == "cudnn"
+
+
+def test_ranking_tables_are_remembered_per_catalog_file(tmp_path, monkeypatch):
+    """The serving path's tables: equal to the parsed ones, reused by a later process without
+    parsing, and read again once the catalog file changes."""
+    import shutil
+
+    from dsa_aot import settings
+    from dsa_aot.specs import installed, ranking
+
+    catalog = tmp_path / "catalog.toml"
+    shutil.copy(ranking.default_catalog_path(), catalog)
+    monkeypatch.setattr(ranking, "default_catalog_path", lambda: catalog)
+    monkeypatch.setenv("DSA_AOT_CACHE_DIR", str(tmp_path / "cache"))
+    settings.reload()
+    installed._memo_cache = None
+    try:
+        parsed = (ranking.load_ranking(catalog), ranking.load_preferences(catalog), ranking.load_topk_buckets(catalog))
+        assert ranking.ranking_tables() == parsed
+        installed._memo_cache = None  # as a fresh process
+        monkeypatch.setattr(ranking, "_read", lambda path: pytest.fail("parsed the catalog"))
+        assert ranking.ranking_tables() == parsed
+        monkeypatch.undo()
+        monkeypatch.setattr(ranking, "default_catalog_path", lambda: catalog)
+        text = catalog.read_text()
+        assert parsed[0]["fwd"] == ["cutedsl", "tilelang"] and 'fwd = ["cutedsl", "tilelang"]' in text
+        catalog.write_text(text.replace('fwd = ["cutedsl", "tilelang"]', 'fwd = ["tilelang", "cutedsl"]', 1))
+        assert ranking.ranking_tables()[0]["fwd"] == ["tilelang", "cutedsl"]
+    finally:
+        monkeypatch.undo()
+        settings.reload()
+        installed._memo_cache = None
