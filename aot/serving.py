@@ -282,9 +282,12 @@ def _import_load_code() -> None:
     import dsa_aot.specs.ranking  # noqa: F401
     import dsa_aot.specs.sources  # noqa: F401
 
-    for backend in BACKENDS.values():
-        if backend.loads_sealed:
-            importlib.import_module(backend.runtime_module)
+    try:
+        for backend in BACKENDS.values():
+            if backend.loads_sealed:
+                importlib.import_module(backend.runtime_module)
+    except Exception as exc:  # a broken install must not break ``import dsa_aot``: a lookup reports it
+        log.debug("dsa-aot: serving path: importing the load code failed: %s", exc)
 
 
 def prepare() -> None:
