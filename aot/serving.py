@@ -135,7 +135,8 @@ def _pick(op: str, arch: str, d_qk: int, heads: int, layout: str, deterministic:
             raise _Defer(f"{spec.id}: backend {name} is served by the loader")
         why = _compiler_here(backend)
         if why:
-            raise _Defer(f"{spec.id}: {why}: the loader looks the build key up")
+            raise _Defer(f"{spec.id}: {why}; the loader decides (by build key, or by runtime identity "
+                         "with what is installed compared to the builder's)")
         root, dirs = next((r, d) for r, d in stored if d)
         if root == cfg.cache_dir:
             raise _Defer(f"{spec.id}: stored in the writable cache only")
