@@ -20,12 +20,22 @@ def default_catalog_path() -> Path:
     return Path(__file__).with_name("catalog.toml")
 
 
+#: The last catalog parsed in this process, by (path, inode, size, mtime): the tables read it once.
+_PARSED: dict[tuple, dict] = {}
+
+
 def _read(path: Path | str | None) -> tuple[Path, dict]:
     import tomllib  # here: the remembered tables (ranking_tables) need no parser
 
     path = Path(path) if path is not None else default_catalog_path()
     try:
-        return path, tomllib.loads(path.read_text())
+        st = path.stat()
+        key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+        if key not in _PARSED:
+            data = tomllib.loads(path.read_text())
+            _PARSED.clear()
+            _PARSED[key] = data
+        return path, _PARSED[key]
     except FileNotFoundError:
         raise FileNotFoundError(f"catalog {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:

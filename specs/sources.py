@@ -13,6 +13,7 @@ import ast
 import functools
 import hashlib
 import importlib.util
+import json
 import os
 import sys
 from collections.abc import Iterable
@@ -110,15 +111,43 @@ def _facts(module: str, path: Path, pending: dict[str, object]) -> tuple[str, li
             hit = (remembered[0], remembered[1], remembered[2])
     if hit is None:
         data = path.read_bytes()
-        tree = ast.parse(data, filename=str(path))
-        package = path.name == "__init__.py"
-        hit = (hashlib.sha256(data).hexdigest(),
-               sorted(_imports_of(tree, module, package, top_level_only=False)),
-               sorted(_imports_of(tree, module, package, top_level_only=True)))
+        digest = hashlib.sha256(data).hexdigest()
+        shipped = _shipped_facts().get(_source_name(module, path))
+        if shipped is not None and shipped[0] == digest:  # this very content: imports as the build read them
+            hit = (digest, list(shipped[1]), list(shipped[2]))
+        else:
+            hit = parse_facts(data, module, path.name == "__init__.py", str(path))
         if ident is not None:
             pending[tag] = list(hit)
     _FACTS[tag] = hit
     return hit
+
+
+def parse_facts(data: bytes, module: str, is_package: bool, filename: str) -> tuple[str, list[str], list[str]]:
+    """sha256 and ``dsa_aot`` imports (all, import-time only) of a module's source ``data``."""
+    tree = ast.parse(data, filename=filename)
+    return (hashlib.sha256(data).hexdigest(),
+            sorted(_imports_of(tree, module, is_package, top_level_only=False)),
+            sorted(_imports_of(tree, module, is_package, top_level_only=True)))
+
+
+#: Written beside the installed package by the wheel build (``setup.py``): ``{source name:
+#: [sha256, imports, import-time imports]}`` of every module, used for a file of that sha256.
+SHIPPED_FACTS = "_source_facts.json"
+
+
+@functools.lru_cache(maxsize=1)
+def _shipped_facts() -> dict[str, list]:
+    package = sys.modules.get(ROOT_PACKAGE)
+    origin = getattr(package, "__file__", None)
+    try:
+        data = json.loads((Path(origin).parent / SHIPPED_FACTS).read_bytes()) if origin else {}
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(v, list) and len(v) == 3 and isinstance(v[0], str)
+            and all(isinstance(x, list) and all(isinstance(m, str) for m in x) for x in v[1:])}
 
 
 def _source_name(module: str, path: Path) -> str:
@@ -217,6 +246,7 @@ def sources_sha256(sources: dict[str, str]) -> str:
 def clear_caches() -> None:
     """Forget parsed sources (after files were edited in this process, e.g. by a test)."""
     _module_file.cache_clear()
+    _shipped_facts.cache_clear()
     _FACTS.clear()
 
 

@@ -78,6 +78,12 @@ FIRST_CALL = textwrap.dedent('''
 
     torch.cuda.get_device_capability = lambda index=None: (9, 0)
     ops._current_device = lambda: 0
+    import dsa_aot.specs.sources as sources
+
+    def refuse(data, module, *args):  # the wheel ships every module's imports: nothing is parsed
+        raise AssertionError(f"parsed {module}")
+
+    sources.parse_facts = refuse
     op = sys.argv[1]
     why = serving.why_not(op, "sm_90a", 512, 16, "noncompact")
     ctypes.CDLL.__init__ = stop
@@ -158,7 +164,8 @@ def test_a_venv_without_compilers_resolves_every_prebuilt_spec(lean_python, preb
 @pytest.mark.parametrize("op", ["fwd", "bwd"])
 def test_a_first_call_is_served_without_pydantic(lean_python, prebuilt, tmp_path, op, backend):
     """The serving path: the first call's lookup, checks and reads import neither pydantic nor
-    the loader, twice (the second process reuses the remembered source graph and ranking)."""
+    the loader and parse no source (the wheel's source facts), twice (the first process with an
+    empty memo, the second reusing the remembered source graph and ranking)."""
     env = dict(_serving_env(lean_python, prebuilt, tmp_path), DSA_AOT_BACKENDS=backend)
     for _ in range(2):
         proc = _run([str(lean_python), "-c", FIRST_CALL, op], env=env, cwd=tmp_path, timeout=600)
