@@ -19,7 +19,8 @@
 1. fresh process: time from the first ``sparse_mla_fwd`` call to its result (a prebuilt hit:
    the serving path's lookup and checks, sha256 of every file, module load, launch; or the
    loader's, with pydantic's import, when the serving path defers), which path served it, and
-   which compiler modules got imported (none may be); ``--preload`` calls
+   which compiler modules got imported (none may be); ``--fresh-cache`` gives each process an
+   empty cache dir (a fresh container: nothing remembered); ``--preload`` calls
    ``dsa_aot.preload()`` at startup, before that clock (its time is reported apart);
 2. per-call dispatch overhead of ``sparse_mla_fwd`` over the raw cubin launch, on a tiny shape;
 3. the JIT compile time of the same variant, read from the artifact's manifest (it was
@@ -421,6 +422,9 @@ def main() -> int:
     ap.add_argument("--python", type=Path, default=Path(sys.executable),
                     help="with --first-call-cpu: the interpreter of the serving environment (e.g. a venv "
                     "without compilers)")
+    ap.add_argument("--fresh-cache", action="store_true",
+                    help="each fresh process gets its own empty DSA_AOT_CACHE_DIR (a fresh container: "
+                    "nothing remembered in the toolchain memo)")
     ap.add_argument("--processes", type=int, default=None,
                     help=f"fresh processes per measurement ({IMPORT_PROCESSES} for --import-only, "
                     f"{FRESH_PROCESSES} otherwise)")
@@ -435,15 +439,20 @@ def main() -> int:
         return _write(args.out or Path("bench/results/first_call_cpu.json"), first_call_cpu(args))
     out = args.out or Path("bench/results/startup_h200.json")
     argv = ["preload"] if args.preload else []
-    runs = [json.loads(subprocess.run([sys.executable, "-c", CHILD, *argv], check=True, capture_output=True,
-                                      text=True, env=os.environ).stdout.strip().splitlines()[-1])
-            for _ in range(args.processes)]
+
+    def fresh_process() -> dict:
+        with tempfile.TemporaryDirectory(prefix="dsa-aot-cache-") as cache:
+            env = dict(os.environ, DSA_AOT_CACHE_DIR=cache) if args.fresh_cache else os.environ
+            return json.loads(subprocess.run([sys.executable, "-c", CHILD, *argv], check=True, capture_output=True,
+                                             text=True, env=env).stdout.strip().splitlines()[-1])
+
+    runs = [fresh_process() for _ in range(args.processes)]
     firsts = sorted(r["first_call_ms"] for r in runs)
     summary = {"median": round(statistics.median(firsts), 2), "min": round(firsts[0], 2),
                "max": round(firsts[-1], 2), "processes": len(firsts), "target": 15.0}
     report = {"command": "python bench/bench_startup.py " + " ".join(sys.argv[1:]),
               "environment": environment(), "backends_env": os.environ.get("DSA_AOT_BACKENDS"),
-              "preload": args.preload,
+              "preload": args.preload, "fresh_cache": args.fresh_cache,
               "first_call_ms": summary, "fresh_process_runs": runs}
     if args.first_call_only:
         return _write(out, report)
