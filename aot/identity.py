@@ -11,6 +11,7 @@ from __future__ import annotations
 from dsa_aot.backends.base import KernelBackend
 from dsa_aot.specs.keys import BuildIdentity, RuntimeIdentity, module_sources
 from dsa_aot.specs.sources import runtime_identity_fields
+from dsa_aot.specs.installed import matches_compiler
 from dsa_aot.specs.models import KernelSpec
 from dsa_aot.specs.toolchain import Distribution, Toolchain
 
@@ -19,12 +20,7 @@ def installed_compilers(backend: KernelBackend, toolchain: Toolchain) -> tuple[D
     """The installed distributions matching the backend's ``compilers`` patterns, by name."""
     dists = [d for d in (toolchain.tilelang, toolchain.tvm_ffi, *toolchain.cutlass_dsl) if d is not None]
     dists += list(toolchain.other_compilers)
-    chosen = {}
-    for pattern in backend.compilers:
-        prefix = pattern.rstrip("*")
-        for d in dists:
-            if d.name == pattern or (pattern.endswith("*") and d.name.startswith(prefix)):
-                chosen[d.name] = d
+    chosen = {d.name: d for d in dists if any(matches_compiler(d.name, p) for p in backend.compilers)}
     return tuple(chosen[n] for n in sorted(chosen))
 
 

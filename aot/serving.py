@@ -42,6 +42,7 @@ from dsa_aot.backends import BACKENDS, KernelBackend
 from dsa_aot.backends.base import MANIFEST_FORMAT
 from dsa_aot.cache.layout import _NAME, ENTRY_FORMAT, META, CorruptArtifact, payload_sha256, shared_writable_reason
 from dsa_aot.specs.shapes import D_V, SpecFields, spec_id
+from dsa_aot.specs.sources import identity_key
 
 log = logging.getLogger("dsa_aot")
 
@@ -176,12 +177,11 @@ def _check_entry(backend: KernelBackend, spec: SpecFields, entry: Path, meta: di
     nvcc = _nvcc_version() if backend.uses_cuda_toolkit else None
     if nvcc is not None and nvcc != build.get("nvcc_version"):
         raise _Defer(f"{entry}: built with nvcc {build.get('nvcc_version')}, nvcc {nvcc} is installed here")
-    canonical = json.dumps(build, sort_keys=True, separators=(",", ":")).encode()
     stored = payload.get("spec") or {}
     tile = stored.get("tile") or {}
     stages = payload.get("stages") or []
     if (payload.get("format") != MANIFEST_FORMAT or payload.get("key") != key
-            or hashlib.sha256(canonical).hexdigest()[:16] != key or build.get("backend") != spec.backend
+            or identity_key(build) != key or build.get("backend") != spec.backend
             or any(v is not None for v in tile.values()) or stored.get("d_v") != D_V
             or stored.get("dtype") != "bfloat16"
             or spec_id(stored.get("op"), stored.get("arch"), stored.get("d_qk"), stored.get("heads"),
@@ -249,10 +249,11 @@ def _distributions() -> tuple[str, ...]:
 @functools.lru_cache(maxsize=None)
 def _compiler_here(backend: KernelBackend) -> str | None:
     """What of the backend's compiler is installed (None: nothing; the runtime identity rule)."""
-    for pattern in backend.compilers:
-        prefix = pattern.rstrip("*")
+    from dsa_aot.specs.installed import matches_compiler
+
+    for pattern in backend.compilers:  # the backend's own compiler first, as it names them
         for name in _distributions():
-            if name == pattern or (pattern.endswith("*") and name.startswith(prefix)):
+            if matches_compiler(name, pattern):
                 return f"{name} is installed"
     if importlib.util.find_spec(backend.compiler_module) is not None:
         return f"{backend.compiler_module} is importable"

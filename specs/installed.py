@@ -30,6 +30,12 @@ def _normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def matches_compiler(name: str, pattern: str) -> bool:
+    """Whether distribution ``name`` is the one a backend's ``compilers`` entry names
+    (``prefix*`` names every distribution with that prefix)."""
+    return name == pattern or (pattern.endswith("*") and name.startswith(pattern[:-1]))
+
+
 def _installed_distributions(search_path: Iterable[str]) -> dict[str, Path]:
     """Normalized name -> metadata dir; the first entry of ``search_path`` wins, as for imports."""
     found: dict[str, Path] = {}

@@ -18,19 +18,12 @@ The spec itself is not in the key: its id (which covers every field) names the e
 
 from __future__ import annotations
 
-import hashlib
-import json
-
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsa_aot.specs.sources import (  # noqa: F401  (re-exported)
-    KEY_SCHEMA, MEMO_KIND, ROOT_PACKAGE, clear_caches, host_tag, module_sources, runtime_identity_fields, sources_sha256)
+    KEY_SCHEMA, MEMO_KIND, ROOT_PACKAGE, clear_caches, host_tag, identity_key, module_sources, runtime_identity_fields,
+    sources_sha256)
 from dsa_aot.specs.toolchain import Distribution
-
-
-
-def _canonical(model: BaseModel) -> str:
-    return json.dumps(model.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
 
 
 class BuildIdentity(BaseModel):
@@ -48,7 +41,7 @@ class BuildIdentity(BaseModel):
 
     def key(self) -> str:
         """First 16 hex chars of the sha256 of the canonical JSON."""
-        return hashlib.sha256(_canonical(self).encode()).hexdigest()[:16]
+        return identity_key(self.model_dump(mode="json"))
 
 
 class RuntimeIdentity(BaseModel):

@@ -237,6 +237,12 @@ def _remembered_graph(tag: str | None) -> dict[str, str] | None:
     return dict(sorted(hit["sources"].items()))
 
 
+def identity_key(identity: dict) -> str:
+    """An identity's key: the first 16 hex chars of the sha256 of its canonical JSON (for a
+    :class:`~dsa_aot.specs.keys.BuildIdentity`, its entry's key directory)."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
 def sources_sha256(sources: dict[str, str]) -> str:
     """One hash over a ``{name: sha256}`` table (order-independent)."""
     text = "\n".join(f"{name}\0{digest}" for name, digest in sorted(sources.items()))
