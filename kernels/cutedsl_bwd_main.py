@@ -170,6 +170,8 @@ class SparseMlaBwdMain:
         self.atomic_width = atomic_width
         #: False skips the dkv atomics, nothing else (timing diagnosis only: dkv_acc untouched)
         self.scatter = scatter
+        #: threads that gather a KV block (:meth:`load_indices`, :meth:`gather`): all of them here
+        self.gather_threads = THREADS
 
     # ---------------------------------------------------------------------------------------
     # Host side
@@ -913,8 +915,9 @@ class SparseMlaBwdMain:
                      row_in_pass: Int32) -> list:
         """The top-k indices of this thread's gather rows of block ``block`` (-1 past the end)."""
         found = []
-        for m in cutlass.range_constexpr(BLOCK_N // (THREADS // (64 // VEC))):
-            slot = block * BLOCK_N + row_in_pass + m * (THREADS // (64 // VEC))
+        rows_per_pass = self.gather_threads // (64 // VEC)
+        for m in cutlass.range_constexpr(BLOCK_N // rows_per_pass):
+            slot = block * BLOCK_N + row_in_pass + m * rows_per_pass
             idx = Int32(-1)
             if slot < n_slots:
                 idx = m_idx[t, slot]
@@ -929,7 +932,7 @@ class SparseMlaBwdMain:
         """Issue the ``cp.async`` copies of one block's KV rows (no commit); record each slot's
         index and validity at ``buf`` in ``s_idx`` / ``s_valid``."""
         for m in cutlass.range_constexpr(cute.size(t_s_kv, mode=[1])):
-            row = row_in_pass + m * (THREADS // (64 // VEC))
+            row = row_in_pass + m * (self.gather_threads // (64 // VEC))
             idx = indices[m]
             ok = (idx >= 0) & (idx < s_kv)
             if ok:
@@ -1009,12 +1012,14 @@ def compile_bwd_main(arch: str, d_qk: int, heads: int, layout: str, atomic_width
     """``cute.compile`` the kernel for ``arch`` (``CUTE_DSL_ARCH=<arch>`` set before import).
 
     ``impl="wgmma"`` (sm_90a only) selects the warpgroup-MMA flavour (the slot-major one lives in
-    :mod:`.cutedsl_bwd_slot_major`). Returns the compiled function and the fake arguments it was
+    :mod:`.cutedsl_bwd_slot_major`, the one with a score and a dKV warpgroup in
+    :mod:`.cutedsl_bwd_ws`). Returns the compiled function and the fake arguments it was
     compiled with.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: this module builds {IMPLS}; impl='wgmma_slot_major' is "
-                         "dsa_aot.kernels.cutedsl_bwd_slot_major.compile_bwd_slot_major")
+                         "dsa_aot.kernels.cutedsl_bwd_slot_major.compile_bwd_slot_major, "
+                         "impl='wgmma_ws' dsa_aot.kernels.cutedsl_bwd_ws.compile_bwd_ws")
     if impl == "wgmma" and arch != "sm_90a":
         raise ValueError(f"impl='wgmma' needs sm_90a, not {arch}; use impl='mma'")
     fakes = fake_arguments(d_qk, heads, layout, deterministic)

@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from dsa_aot import settings
 from dsa_aot.backends.cutedsl.records import (
-    BWD_SLOT_MAJOR_HEADS, bwd_main_default_impl, DSL_RUNTIME_LIB, FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES, RECORD_FILE, WORKER_MODULE, _DSL_STATIC_SHIMS,
+    BWD_MAIN_HEADS, bwd_main_default_impl, DSL_RUNTIME_LIB, FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES, RECORD_FILE, WORKER_MODULE, _DSL_STATIC_SHIMS,
     Arch, BwdMainImpl, CuteBuildError, CuteExportRecord, CuteKernel, CuteSymbols, FwdImpl, FwdLayout, LinkMode,
     RuntimeLibRecord, ScalarArgRecord, StreamArgRecord, TensorArgRecord, kernel_entry, sha256_file)
 from dsa_aot.toolkit import toolkit_root
@@ -104,14 +104,15 @@ class BuildRequest(BaseModel):
                                  f"d_qk={self.d_qk}, heads={self.heads}, layout={self.layout}")
             if (self.use_isfinite, self.kv_stages) != (None, None):
                 raise ValueError("use_isfinite/kv_stages do not apply to kernel=bwd_main")
-            if self.impl not in (None, "mma", "wgmma", "wgmma_slot_major"):
-                raise ValueError(f"kernel=bwd_main has impl mma or wgmma or wgmma_slot_major, "
-                                 f"not {self.impl}")
-            if self.impl in ("wgmma", "wgmma_slot_major") and self.arch != "sm_90a":
+            if self.impl not in (None, "mma", "wgmma", "wgmma_slot_major", "wgmma_ws"):
+                raise ValueError(f"kernel=bwd_main has impl mma, wgmma, wgmma_slot_major or "
+                                 f"wgmma_ws, not {self.impl}")
+            if self.impl in ("wgmma", "wgmma_slot_major", "wgmma_ws") and self.arch != "sm_90a":
                 raise ValueError(f"impl={self.impl} needs sm_90a, not {self.arch}; use impl=mma")
-            if self.impl == "wgmma_slot_major" and self.heads not in BWD_SLOT_MAJOR_HEADS:
-                raise ValueError(f"impl=wgmma_slot_major supports heads {BWD_SLOT_MAJOR_HEADS}, "
-                                 f"not heads={self.heads}; use impl=wgmma (or leave impl unset)")
+            if self.impl in BWD_MAIN_HEADS and self.heads not in BWD_MAIN_HEADS[self.impl]:
+                other = "wgmma_slot_major" if self.impl == "wgmma_ws" else "wgmma"
+                raise ValueError(f"impl={self.impl} supports heads {BWD_MAIN_HEADS[self.impl]}, "
+                                 f"not heads={self.heads}; use impl={other} (or leave impl unset)")
         elif fwd != (None, None, None) or self.kv_stages is not None or self.impl is not None:
             raise ValueError(f"d_qk/heads/layout/kv_stages/impl apply to kernel=fwd only, not "
                              f"{self.kernel}")
@@ -144,7 +145,8 @@ class BuildRequest(BaseModel):
 
 #: MMA flavours a spec's ``tile.flavour`` may name, per stage that has them.
 FLAVOURS: dict[str, tuple[str, ...]] = {"fwd": ("mma", "wgmma", "wgmma_pipe", "wgmma_ws", "wgmma_split"),
-                                        "bwd_main": ("mma", "wgmma", "wgmma_slot_major")}
+                                        "bwd_main": ("mma", "wgmma", "wgmma_slot_major",
+                                                     "wgmma_ws")}
 
 
 def requests_for(spec: "KernelSpec", stages: tuple[str, ...], *, link: LinkMode = "static_cudart",

@@ -10,11 +10,17 @@ Arch = Literal["sm_90a", "sm_100a"]
 CuteKernel = Literal["bwd_preprocess", "bwd_postprocess", "fwd", "bwd_main"]
 FwdLayout = Literal["compact", "noncompact"]
 FwdImpl = Literal["mma", "wgmma", "wgmma_pipe", "wgmma_ws", "wgmma_split"]
-#: The backward main stage's MMA flavours: mma.sync (any arch), wgmma (sm_90a) and the
-#: slot-major wgmma kernel for few heads (sm_90a, heads in :data:`BWD_SLOT_MAJOR_HEADS`).
-BwdMainImpl = Literal["mma", "wgmma", "wgmma_slot_major"]
+#: The backward main stage's MMA flavours: mma.sync (any arch), wgmma (sm_90a), the
+#: slot-major wgmma kernel for few heads (sm_90a, heads in :data:`BWD_SLOT_MAJOR_HEADS`) and the
+#: wgmma kernel with a score and a dKV warpgroup (sm_90a, heads in :data:`BWD_WS_HEADS`).
+BwdMainImpl = Literal["mma", "wgmma", "wgmma_slot_major", "wgmma_ws"]
 #: Head counts of ``impl=wgmma_slot_major`` (``dsa_aot.kernels.cutedsl_bwd_slot_major.HEADS``).
 BWD_SLOT_MAJOR_HEADS: tuple[int, ...] = (16, 32)
+#: Head counts of ``impl=wgmma_ws`` (``dsa_aot.kernels.cutedsl_bwd_ws.HEADS``).
+BWD_WS_HEADS: tuple[int, ...] = (64, 128)
+#: Flavours of the backward main stage that take only some head counts.
+BWD_MAIN_HEADS: dict[str, tuple[int, ...]] = {"wgmma_slot_major": BWD_SLOT_MAJOR_HEADS,
+                                              "wgmma_ws": BWD_WS_HEADS}
 #: Kernel module and compile function of each stage (``f(arch, **params)`` returns ``(compiled,
 #: fake_arguments)``); :data:`FLAVOUR_KERNELS` overrides it for a flavour with a module of its own.
 #: A spec's key and runtime identity cover exactly the module its build imports.
@@ -27,15 +33,19 @@ KERNELS: dict[str, tuple[str, str]] = {
 FLAVOUR_KERNELS: dict[tuple[str, str], tuple[str, str]] = {
     ("bwd_main", "wgmma_slot_major"): ("dsa_aot.kernels.cutedsl_bwd_slot_major",
                                        "compile_bwd_slot_major"),
+    ("bwd_main", "wgmma_ws"): ("dsa_aot.kernels.cutedsl_bwd_ws", "compile_bwd_ws"),
 }
 #: The forward's MMA flavour per arch when a request names none (wgmma needs sm_90a).
 FWD_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma_split", "sm_100a": "mma"}
 #: The backward main stage's MMA flavour per arch when a request names none: wgmma on sm_90a
 #: (faster than mma on every benchmark row on the H200, bench/results/h200.md).
 BWD_MAIN_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma", "sm_100a": "mma"}
-#: ... except at these (arch, heads): the slot-major kernel, whose MMAs multiply no padded heads.
+#: ... except at these (arch, heads): the slot-major kernel at H16/H32 (its MMAs multiply no
+#: padded heads) and the kernel with a score and a dKV warpgroup at H64/H128 (its atomics run
+#: beside the next block's score GEMMs: 0.83 -> 0.99x the cuDNN frontend at H64 D576).
 BWD_MAIN_DEFAULT_IMPL_BY_HEADS: dict[tuple[str, int], str] = {
-    ("sm_90a", 16): "wgmma_slot_major", ("sm_90a", 32): "wgmma_slot_major"}
+    ("sm_90a", 16): "wgmma_slot_major", ("sm_90a", 32): "wgmma_slot_major",
+    ("sm_90a", 64): "wgmma_ws", ("sm_90a", 128): "wgmma_ws"}
 
 
 def bwd_main_default_impl(arch: str, heads: int | None, deterministic: bool = False) -> str:

@@ -7,7 +7,7 @@ generated C ABI and the records are checked, and a fresh process opens each libr
 :mod:`dsa_aot.backends.cutedsl.runtime` without ``cutlass``. The full sweep is ``-m slow``.
 
 GPU (``-m gpu``): bwd specs (``tile.flavour`` ``mma``; on sm_90a also ``wgmma``, and
-``wgmma_slot_major`` at H16/H32) built and published by
+``wgmma_slot_major`` at H16/H32, ``wgmma_ws`` at H64/H128) built and published by
 :func:`dsa_aot.build.build_and_publish` and loaded by the backend. The loaded main kernel runs
 with ``delta`` / ``lse_sink`` from the reference around it into NaN-poisoned ``dq``, and the whole
 loaded backward runs too; ``dq``, ``dkv`` (and ``d_sink``) are compared with the fp64 reference by
@@ -141,9 +141,10 @@ def test_requests_are_validated() -> None:
     with pytest.raises(ValueError, match="impl=wgmma needs sm_90a"):
         BuildRequest(kernel="bwd_main", arch="sm_100a", d_qk=576, heads=64, layout="compact",
                      impl="wgmma")
-    with pytest.raises(ValueError, match="bwd_main has impl mma or wgmma"):
+    with pytest.raises(ValueError, match="bwd_main has impl mma, wgmma, wgmma_slot_major or "
+                                         "wgmma_ws, not wgmma_split"):
         BuildRequest(kernel="bwd_main", arch="sm_90a", d_qk=576, heads=64, layout="compact",
-                     impl="wgmma_ws")
+                     impl="wgmma_split")
     with pytest.raises(ValueError, match="do not apply to kernel=bwd_main"):
         BuildRequest(kernel="bwd_main", arch="sm_90a", d_qk=576, heads=64, layout="compact",
                      kv_stages=2)
@@ -236,9 +237,14 @@ def test_full_sweep_builds(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 #: MMA flavours checked on the GPU (the specs' ``tile.flavour``); wgmma needs sm_90a.
-IMPLS = ("mma", "wgmma", "wgmma_slot_major")
-#: Head counts of the slot-major flavour (the others take every H).
+IMPLS = ("mma", "wgmma", "wgmma_slot_major", "wgmma_ws")
+#: Head counts of the flavours that take only some (the others take every H).
 SLOT_MAJOR_HEADS = (16, 32)
+FLAVOUR_HEADS = {"wgmma_slot_major": SLOT_MAJOR_HEADS, "wgmma_ws": (64, 128)}
+#: ``DSA_AOT_GPU_TEST_IMPLS=wgmma_ws,...`` builds (and tests) only those flavours: each build
+#: costs GPU-machine time, and ``-k`` cannot narrow a module fixture.
+_GPU_IMPLS = tuple(i for i in os.environ.get("DSA_AOT_GPU_TEST_IMPLS", ",".join(IMPLS)).split(",")
+                   if i)
 _RESULTS: list[dict[str, Any]] = []
 
 
@@ -358,9 +364,9 @@ def gpu_backward(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, in
         pytest.skip(f"cannot build: {why}")
     shapes = {(d_qk, heads, layout) for layout, heads, d_qk, *_ in _CASES}
     shapes |= {(576, 64, "compact"), (576, 64, "noncompact")}
-    wanted = [(*shape, impl) for shape in sorted(shapes) for impl in IMPLS
+    wanted = [(*shape, impl) for shape in sorted(shapes) for impl in _GPU_IMPLS
               if (impl == "mma" or arch == "sm_90a")
-              and (impl != "wgmma_slot_major" or shape[1] in SLOT_MAJOR_HEADS)]
+              and shape[1] in FLAVOUR_HEADS.get(impl, (shape[1],))]
     store = ArtifactStore(tmp_path_factory.mktemp("bwd_main_gpu"))
 
     def build(variant: tuple[int, int, str, str]):
@@ -446,7 +452,7 @@ def test_gpu_matches_reference(gpu_backward: dict, case: int, impl: str) -> None
 @_needs_cuda
 @pytest.mark.parametrize("impl", IMPLS)
 def test_gpu_sink_plus_inf_gives_zero(gpu_backward: dict, impl: str) -> None:
-    heads = SLOT_MAJOR_HEADS[0] if impl == "wgmma_slot_major" else 64
+    heads = FLAVOUR_HEADS.get(impl, (64,))[0]
     kernel = _loaded(gpu_backward, 576, heads, "compact", impl)
     inp = _case_inputs(8, 256, heads, 576, 128, "compact", seed=99, sinks="none")
     inp["lse_sink"] = torch.full_like(inp["lse_sink"], float("inf"))
@@ -513,7 +519,7 @@ def time_kernel(main: Any, s_q: int, s_kv: int, heads: int, d_qk: int, topk: int
 
 @pytest.mark.gpu
 @_needs_cuda
-@pytest.mark.parametrize("impl", ("mma", "wgmma"))  # the timing case is H64
+@pytest.mark.parametrize("impl", ("mma", "wgmma", "wgmma_ws"))  # the timing case is H64
 def test_gpu_timing(gpu_backward: dict, impl: str) -> None:
     """S_q 4096, S_kv 8192, H 64, D 576, K 2048 (compact, all slots valid)."""
     kernel = _loaded(gpu_backward, 576, 64, "compact", impl)

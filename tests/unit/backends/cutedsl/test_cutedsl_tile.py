@@ -52,7 +52,7 @@ def test_fwd_flavour_and_num_stages_become_impl_and_kv_stages(flavour: str, num_
     assert req.compile_params["kv_stages"] == (num_stages or FWD_DEFAULT_KV_STAGES[flavour])
 
 
-@pytest.mark.parametrize("flavour", ["mma", "wgmma"])
+@pytest.mark.parametrize("flavour", ["mma", "wgmma", "wgmma_ws"])
 def test_bwd_flavour_becomes_the_main_stage_impl(flavour: str) -> None:
     pre, main, post = requests_for(_spec("bwd", flavour=flavour), BWD_STAGES)
     assert main.impl == flavour and main.compile_params["impl"] == flavour
@@ -65,7 +65,7 @@ def test_bwd_flavour_becomes_the_main_stage_impl(flavour: str) -> None:
     ("fwd", {"threads": 256}, "tile.threads=256"),
     ("bwd", {"threads": 384}, "tile.threads=384"),
     ("fwd", {"flavour": "tiled"}, "tile.flavour='tiled'"),
-    ("bwd", {"flavour": "wgmma_ws"}, "tile.flavour='wgmma_ws'"),  # a forward flavour
+    ("bwd", {"flavour": "wgmma_pipe"}, "tile.flavour='wgmma_pipe'"),  # a forward flavour
     ("bwd", {"num_stages": 2}, "tile.num_stages=2"),
     ("fwd", {"num_stages": 3}, "tile.num_stages=3"),
 ])

@@ -1,0 +1,483 @@
+"""CuTe DSL sparse MLA backward, main stage, warpgroups by role (``impl="wgmma_ws"``, sm_90a).
+
+The same arguments, C ABI and semantics as :mod:`dsa_aot.kernels.cutedsl_bwd_main` (see there:
+``q``, ``kv``, ``dout``, ``topk_idxs``, [``topk_length``], ``lse_sink``, ``delta``, ``dq``,
+``dkv_acc``, ``softmax_scale``, stream), for 64 and 128 heads (:data:`HEADS`).
+
+Why: the ``wgmma`` flavour runs both warpgroups through the same phases in step (score GEMMs,
+softmax gradient, dQ, then the dKV chunks and their atomics), so the L2 has no atomics to do
+during the first half of every block and the tensor cores idle during the second: at D 576 the
+atomics keep the L2 busy only 66% of the time. Here the two warpgroups take different roles and
+run one block apart, so the dKV atomics of block ``b`` stream while block ``b + 1`` is gathered
+and scored:
+
+* warpgroup 0, *score*: gathers the block's KV rows (16-byte ``cp.async``; an invalid slot is
+  zero-filled and flagged), ``S = Q K^T`` and ``dP = dO V^T`` (64 heads x 64 slots, k-steps
+  interleaved, the first overwriting: wgmma scale-d 0), ``P = exp2(S scale log2 e - lse)``
+  (invalid slots ``-inf`` before the ``exp2``), ``dS = P (dP - delta) scale``; stores ``P`` and
+  ``dS`` (bf16) for warpgroup 1 and accumulates ``dQ`` columns 0-255 with ``dS`` straight from
+  its registers (the A operand);
+* warpgroup 1, *dKV*: accumulates the other ``dQ`` columns (``dS`` from shared memory), then
+  ``dKV = dS^T Q + P^T dO`` in 64-column chunks (9 at D 576, 8 at D 512: no padding), the chunk
+  GEMMs alternating between two 32-register accumulators so that chunk ``c``'s MMAs overlap
+  chunk ``c - 1``'s 4-wide ``red.global.add.v4.f32`` atomics in the interleaved column order
+  (:meth:`SparseMlaBwdMain.scatter_chunk`).
+
+Hand-offs (named barriers joining all 256 threads; ``->`` arrive, ``<-`` wait), per block ``b``:
+
+- warpgroup 0: ``S``, ``dP``, softmax gradient; ``<- PDS_EMPTY`` (block ``b - 1``'s ``P`` / ``dS``
+  read by warpgroup 1's MMAs); ``P``, ``dS`` to shared; ``-> PDS_FULL``; its ``dQ`` MMAs;
+  ``<- KV_EMPTY``; gather block ``b + 1`` into the one KV tile;
+- warpgroup 1: ``<- PDS_FULL``; its ``dQ`` MMAs and the first dKV chunk; ``-> KV_EMPTY`` once the
+  ``dQ`` MMAs are done (the KV tile's last reader); the other chunks and their atomics;
+  ``-> PDS_EMPTY`` when the last chunk's MMAs are done; the last chunk's atomics.
+
+The slot indices are double-buffered (warpgroup 1 adds block ``b`` while block ``b + 1``'s are
+written). Shared memory: ``q``, ``dout``, one KV tile, ``P``, ``dS`` (229,376 bytes at D 576),
+indices, ``lse`` and ``delta``: one CTA of two warpgroups per SM, one per query row and block of
+64 heads (H 128: two CTAs per row, neighbours in the grid). ``dQ`` stays in registers over the
+row (64 x 256 fp32 in warpgroup 0, 64 x 320 at D 576 / 64 x 256 at D 512 in warpgroup 1) and is
+stored as bf16 at the end (0 for a row without a valid slot).
+
+The deterministic mode is not implemented here (the ``wgmma`` flavour has it).
+
+This module imports ``cutlass``: use it in a build process only.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import hopper_helpers as sm90_utils
+
+from dsa_aot.kernels import cutedsl_bwd_main as main
+from dsa_aot.kernels.cutedsl_bwd_main import (BLOCK_H, BLOCK_N, LOG2E, SparseMlaBwdMain,
+                                              SparseMlaBwdMainCompact,
+                                              SparseMlaBwdMainNoncompact, fake_arguments,
+                                              opaque_i64, wg_gemm)
+from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, LAYOUTS, VEC, wg_acc_as_a,
+                                            wg_rows_cols)
+
+#: The ``impl`` name of this flavour (the build's ``tile.flavour``).
+IMPL = "wgmma_ws"
+#: Head counts this flavour supports (whole 64-head blocks).
+HEADS = (64, 128)
+WG_THREADS = 128
+THREADS = 2 * WG_THREADS
+#: dQ column tile and dKV column chunk (MMA N): one 64-wide 128-byte swizzle atom.
+TILE = 64
+#: dQ column tiles of warpgroup 0 (the rest are warpgroup 1's).
+SCORE_DQ_TILES = 4
+#: Named barriers (0 is __syncthreads): the three hand-offs, and warpgroup 0's own.
+BAR_PDS_FULL, BAR_PDS_EMPTY, BAR_KV_EMPTY, BAR_SCORE = 1, 2, 3, 4
+
+assert main.THREADS == THREADS and main.BLOCK_H == TILE and main.BLOCK_N == TILE
+
+_INF = float("inf")
+
+
+def check_params(d_qk: int, heads: int, layout: str, arch: str = "sm_90a",
+                 deterministic: bool = False) -> None:
+    """Raise ``ValueError`` naming the compile-time parameter this flavour cannot take."""
+    main.check_params(d_qk, heads, layout)
+    if heads not in HEADS:
+        raise ValueError(f"heads={heads!r}: impl={IMPL!r} supports heads {HEADS}; use "
+                         "impl='wgmma_slot_major' (or leave impl unset) for fewer heads")
+    if arch != "sm_90a":
+        raise ValueError(f"impl={IMPL!r} needs sm_90a, not {arch}; use impl='mma'")
+    if deterministic:
+        raise ValueError(f"deterministic=True is implemented by impl='wgmma', not {IMPL!r}")
+
+
+def can_implement(d_qk: int, heads: int, layout: str) -> bool:
+    """Whether this flavour supports the compile-time parameters (no exception)."""
+    return d_qk in D_QK_CHOICES and heads in HEADS and layout in LAYOUTS
+
+
+def ws_smem_layouts(d_qk: int) -> dict[str, cute.ComposedLayout]:
+    """Shared-memory layouts (call while tracing a ``cute.jit`` function).
+
+    K-major tiles of 128-byte swizzled 8 x 64 atoms, rows first: ``q`` [64 heads, d_qk], ``dout``
+    [64, 512], ``kv`` [64 slots, d_qk] and ``p`` (also ``dS``) [64 heads, 64 slots]. ``q_t``,
+    ``dout_t``, ``kv_t`` and ``p_t`` are MN-major views of the same bytes with the modes swapped
+    (64 x 8 atoms), every 64-wide tile of the first mode contiguous.
+    """
+    k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+    mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, BFloat16)
+    return {
+        "q": cute.tile_to_shape(k_atom, (BLOCK_H, d_qk), (0, 1)),
+        "dout": cute.tile_to_shape(k_atom, (BLOCK_H, D_V), (0, 1)),
+        "kv": cute.tile_to_shape(k_atom, (BLOCK_N, d_qk), (0, 1)),
+        "p": cute.tile_to_shape(k_atom, (BLOCK_H, BLOCK_N), (0, 1)),
+        "q_t": cute.tile_to_shape(mn_atom, (d_qk, BLOCK_H), (1, 0)),
+        "dout_t": cute.tile_to_shape(mn_atom, (D_V, BLOCK_H), (1, 0)),
+        "kv_t": cute.tile_to_shape(mn_atom, (d_qk, BLOCK_N), (1, 0)),
+        "p_t": cute.tile_to_shape(mn_atom, (BLOCK_N, BLOCK_H), (1, 0)),
+    }
+
+
+def shared_storage(d_qk: int) -> tuple[dict[str, cute.ComposedLayout], type]:
+    """The layouts of :func:`ws_smem_layouts` and the kernel's shared-memory struct (call while
+    tracing; ``size_in_bytes()`` is the dynamic shared memory of one CTA)."""
+    lay = ws_smem_layouts(d_qk)
+    align, mem = cute.struct.Align, cute.struct.MemRange
+    fields = {f"s_{name}": align[mem[BFloat16, cute.cosize(lay[key].outer)], 1024]
+              for name, key in (("q", "q"), ("do", "dout"), ("kv", "kv"), ("p", "p"),
+                                ("ds", "p"))}
+    fields |= {"s_idx": align[mem[Int32, 2 * BLOCK_N], 16],
+               "s_valid": align[mem[Int32, 2 * BLOCK_N], 16],
+               "s_lse": align[mem[Float32, BLOCK_H], 16],
+               "s_delta": align[mem[Float32, BLOCK_H], 16]}
+    # built from a dict: this module's annotations are strings (postponed evaluation)
+    SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+    return lay, SharedStorage
+
+
+class SparseMlaBwdWs(SparseMlaBwdMain):
+    """The backward main kernel with a score and a dKV warpgroup, for one ``(d_qk, heads,
+    layout)``."""
+
+    def __init__(self, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
+                 scatter: bool = True) -> None:
+        check_params(d_qk, heads, layout)
+        super().__init__(d_qk, heads, layout, atomic_width=atomic_width, scatter=scatter,
+                         impl="wgmma")
+        self.impl = IMPL
+        self.gather_threads = WG_THREADS  # warpgroup 0 gathers
+
+    # ---------------------------------------------------------------------------------------
+    # Host side
+    # ---------------------------------------------------------------------------------------
+
+    @cute.jit
+    def launch(self, q: cute.Tensor, kv: cute.Tensor, dout: cute.Tensor, topk_idxs: cute.Tensor,
+               topk_length: cute.Tensor, lse_sink: cute.Tensor, delta: cute.Tensor,
+               dq: cute.Tensor, dkv_acc: cute.Tensor, softmax_scale: Float32,
+               stream: cuda.CUstream) -> None:
+        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                  BFloat16, num_bits_per_copy=128)
+        vecs = TILE // VEC
+        # q and dout: 32 rows x 64 columns per pass over all threads
+        row_copy = cute.make_tiled_copy_tv(
+            g2s, cute.make_layout((THREADS // vecs, vecs), stride=(vecs, 1)),
+            cute.make_layout((1, VEC)))
+        # the gather: 16 rows x 64 columns per pass over warpgroup 0
+        gather_copy = cute.make_tiled_copy_tv(
+            g2s, cute.make_layout((WG_THREADS // vecs, vecs), stride=(vecs, 1)),
+            cute.make_layout((1, VEC)))
+        # S / dP: (64 heads, 64 slots), A = q / dout (K-major), B = the KV tile (K-major)
+        mma_s = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, (1, 1, 1), (BLOCK_H, BLOCK_N))
+        # dQ tile: (64 heads, 64 columns), A = dS (registers in warpgroup 0, shared memory in
+        # warpgroup 1, K-major), B = the KV tile viewed (columns, slots) (MN-major)
+        mma_dq_rs = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, (1, 1, 1), (BLOCK_H, TILE), a_source=warpgroup.OperandSource.RMEM)
+        mma_dq_ss = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, (1, 1, 1), (BLOCK_H, TILE))
+        # dKV chunk: (64 slots, 64 columns), A = dS^T / P^T (MN-major views), B = q / dout
+        # viewed (columns, heads) (MN-major)
+        mma_kv = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN,
+            Float32, (1, 1, 1), (BLOCK_N, TILE))
+        s_q_rows = cute.size(q, mode=[0])
+        n_hb = self.heads // BLOCK_H
+        if s_q_rows > 0:
+            lay, SharedStorage = shared_storage(self.d_qk)
+            self.kernel_ws(
+                q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc, softmax_scale,
+                lay["q"], lay["dout"], lay["kv"], lay["p"], lay["q_t"], lay["dout_t"],
+                lay["kv_t"], lay["p_t"], row_copy, gather_copy, mma_s, mma_dq_rs, mma_dq_ss,
+                mma_kv, SharedStorage).launch(grid=[s_q_rows, n_hb, 1], block=[THREADS, 1, 1],
+                                              smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    # ---------------------------------------------------------------------------------------
+    # Device side
+    # ---------------------------------------------------------------------------------------
+
+    @cute.kernel
+    def kernel_ws(self, m_q: cute.Tensor, m_kv: cute.Tensor, m_do: cute.Tensor,
+                  m_idx: cute.Tensor, m_len: cute.Tensor, m_lse: cute.Tensor,
+                  m_delta: cute.Tensor, m_dq: cute.Tensor, m_dkv: cute.Tensor,
+                  softmax_scale: Float32, s_q_layout: cute.ComposedLayout,
+                  s_do_layout: cute.ComposedLayout, s_kv_layout: cute.ComposedLayout,
+                  s_p_layout: cute.ComposedLayout, s_qt_layout: cute.ComposedLayout,
+                  s_dot_layout: cute.ComposedLayout, s_kt_layout: cute.ComposedLayout,
+                  s_pt_layout: cute.ComposedLayout, row_copy: cute.TiledCopy,
+                  gather_copy: cute.TiledCopy, mma_s: cute.TiledMma, mma_dq_rs: cute.TiledMma,
+                  mma_dq_ss: cute.TiledMma, mma_kv: cute.TiledMma,
+                  SharedStorage: cutlass.Constexpr) -> None:
+        d = self.d_qk
+        tidx, _, _ = cute.arch.thread_idx()
+        t, hb, _ = cute.arch.block_idx()
+        wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
+        wtid = tidx % WG_THREADS
+        s_kv = cute.size(m_kv, mode=[0])
+        topk = cute.size(m_idx, mode=[1])
+        n_slots = topk
+        if cutlass.const_expr(self.compact):
+            n_slots = cutlass.max(cutlass.min(m_len[t], topk), Int32(0))
+        n_blocks = (n_slots + BLOCK_N - 1) // BLOCK_N
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        s_q = storage.s_q.get_tensor(s_q_layout.outer, swizzle=s_q_layout.inner)
+        s_do = storage.s_do.get_tensor(s_do_layout.outer, swizzle=s_do_layout.inner)
+        s_kv_t = storage.s_kv.get_tensor(s_kv_layout.outer, swizzle=s_kv_layout.inner)
+        s_p = storage.s_p.get_tensor(s_p_layout.outer, swizzle=s_p_layout.inner)
+        s_ds = storage.s_ds.get_tensor(s_p_layout.outer, swizzle=s_p_layout.inner)
+        smem_views = {
+            "q": s_q, "do": s_do, "kv": s_kv_t, "p": s_p, "ds": s_ds,
+            "qt": cute.make_tensor(s_q.iterator, s_qt_layout.outer),       # (d, h)
+            "dot": cute.make_tensor(s_do.iterator, s_dot_layout.outer),    # (512, h)
+            "kt": cute.make_tensor(s_kv_t.iterator, s_kt_layout.outer),    # (d, slot)
+            "pt": cute.make_tensor(s_p.iterator, s_pt_layout.outer),       # (slot, h)
+            "dst": cute.make_tensor(s_ds.iterator, s_pt_layout.outer),     # (slot, h)
+            "idx": storage.s_idx.get_tensor(cute.make_layout(2 * BLOCK_N)),
+            "valid": storage.s_valid.get_tensor(cute.make_layout(2 * BLOCK_N)),
+            "lse": storage.s_lse.get_tensor(cute.make_layout(BLOCK_H)),
+            "delta": storage.s_delta.get_tensor(cute.make_layout(BLOCK_H)),
+        }
+
+        # ---- q, dout -> shared (all threads), lse / delta; warpgroup 0 gathers block 0 ----
+        thr_row = row_copy.get_slice(tidx)
+        self.load_row(t, hb, m_q, m_do, m_lse, m_delta, s_q, s_do, smem_views["lse"],
+                      smem_views["delta"], thr_row, row_copy, tidx // (TILE // VEC), tidx)
+        cute.arch.cp_async_commit_group()
+        thr_gather = gather_copy.get_slice(wtid)
+        t_g_kv = thr_gather.partition_S(cute.local_tile(m_kv, (BLOCK_N, d), (0, 0)))
+        t_s_kv = thr_gather.partition_D(s_kv_t)
+        gather_args = [s_kv, t_g_kv, m_kv.stride[0], t_s_kv, smem_views["idx"],
+                       smem_views["valid"], gather_copy, wtid // (TILE // VEC), wtid]
+        if wg == 0:
+            if n_blocks > 0:
+                self.gather(self.load_indices(0, t, m_idx, n_slots, wtid // (TILE // VEC)), 0,
+                            *gather_args)
+            cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_view_async_shared()  # cp.async / zero-fill writes -> wgmma reads
+        cute.arch.barrier()
+
+        if wg == 0:
+            self.score_warpgroup(t, hb, n_blocks, n_slots, m_idx, m_dq, softmax_scale, smem_views,
+                                 gather_args, mma_s, mma_dq_rs, wtid)
+        else:
+            self.dkv_warpgroup(t, hb, n_blocks, m_dq, m_dkv, smem_views, mma_dq_ss, mma_kv,
+                               wtid)
+
+    @cute.jit
+    def score_warpgroup(self, t: Int32, hb: Int32, n_blocks: Int32, n_slots: Int32,
+                        m_idx: cute.Tensor, m_dq: cute.Tensor, softmax_scale: Float32,
+                        sm: dict, gather_args: list, mma_s: cute.TiledMma,
+                        mma_dq: cute.TiledMma, wtid: Int32) -> None:
+        """Warpgroup 0 over the row's blocks: S, dP, P, dS, dQ columns 0-255, the gathers."""
+        d = self.d_qk
+        scale_log2 = softmax_scale * Float32(LOG2E)
+        mma_dq.set(warpgroup.Field.ACCUMULATE, True)
+        wg_s = mma_s.get_slice(0)
+        wg_dq = mma_dq.get_slice(0)
+        r_q = mma_s.make_fragment_A(wg_s.partition_A(sm["q"]))       # (MMA, 1, d/16)
+        r_do = mma_s.make_fragment_A(wg_s.partition_A(sm["do"]))     # (MMA, 1, 32)
+        r_k = mma_s.make_fragment_B(wg_s.partition_B(sm["kv"]))      # (MMA, 1, d/16)
+        r_kt = [mma_dq.make_fragment_B(wg_dq.partition_B(                # (MMA, 1, 4) each
+            cute.local_tile(sm["kt"], (TILE, BLOCK_N), (i, 0)))) for i in range(SCORE_DQ_TILES)]
+        thr_s = mma_s.get_slice(wtid)
+        thr_dq = mma_dq.get_slice(wtid)
+        acc_shape = thr_s.partition_shape_C((BLOCK_H, BLOCK_N))
+        acc_dq = [cute.make_rmem_tensor(thr_dq.partition_shape_C((BLOCK_H, TILE)), Float32)
+                  for _ in range(SCORE_DQ_TILES)]
+        for i in cutlass.range_constexpr(SCORE_DQ_TILES):
+            acc_dq[i].fill(0.0)
+        coords = wg_rows_cols(thr_s.partition_C(cute.make_identity_tensor((BLOCK_H, BLOCK_N))))
+        rows_per_thread = cute.size(coords, mode=[0])
+        cols_per_thread = cute.size(coords, mode=[1])
+        store_c = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(),
+                                                             BFloat16), mma_s)
+        thr_store_c = store_c.get_slice(wtid)
+        t_s_p_c = thr_store_c.partition_D(sm["p"])
+        t_s_ds_c = thr_store_c.partition_D(sm["ds"])
+        s_valid = sm["valid"]
+        row_in_pass = wtid // (TILE // VEC)
+        lse_r = [sm["lse"][coords[r, 0][0]] for r in range(rows_per_thread)]
+        delta_r = [sm["delta"][coords[r, 0][0]] for r in range(rows_per_thread)]
+
+        for b in cutlass.range(n_blocks, unroll=1):
+            buf = (b % 2) * BLOCK_N
+            upcoming = self.load_indices(b + 1, t, m_idx, n_slots, row_in_pass)
+            if b > 0:  # this warpgroup's gather of block b is in; make it visible to all of it
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=BAR_SCORE, number_of_threads=WG_THREADS)
+
+            # S = Q K^T and dP = dO V^T, interleaved k-steps; k = 0 overwrites (scale-d 0)
+            acc_s = cute.make_rmem_tensor(acc_shape, Float32)
+            acc_dp = cute.make_rmem_tensor(acc_shape, Float32)
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(d // 16):
+                mma_s.set(warpgroup.Field.ACCUMULATE, k > 0)
+                cute.gemm(mma_s, acc_s, r_q[None, None, k], r_k[None, None, k], acc_s)
+                if cutlass.const_expr(k < D_V // 16):
+                    cute.gemm(mma_s, acc_dp, r_do[None, None, k], r_k[None, None, k], acc_dp)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+            acc_s_rc = wg_rows_cols(acc_s)
+            acc_dp_rc = wg_rows_cols(acc_dp)
+            col_ok = [s_valid[buf + coords[0, j][1]] for j in range(cols_per_thread)]
+            for r in cutlass.range_constexpr(rows_per_thread):
+                for j in cutlass.range_constexpr(cols_per_thread):
+                    x = acc_s_rc[r, j] * scale_log2 - lse_r[r]
+                    if col_ok[j] == 0:
+                        x = Float32(-_INF)
+                    p = cute.math.exp2(x, fastmath=True)
+                    acc_s_rc[r, j] = p
+                    acc_dp_rc[r, j] = p * (acc_dp_rc[r, j] - delta_r[r]) * softmax_scale
+            r_p16 = cute.make_fragment_like(acc_s, BFloat16)
+            r_p16.store(acc_s.load().to(BFloat16))
+            r_ds16 = cute.make_fragment_like(acc_dp, BFloat16)
+            r_ds16.store(acc_dp.load().to(BFloat16))
+
+            # hand P and dS over once warpgroup 1's MMAs of the previous block are done
+            if b > 0:
+                cute.arch.barrier(barrier_id=BAR_PDS_EMPTY, number_of_threads=THREADS)
+            cute.copy(store_c, thr_store_c.retile(r_p16), t_s_p_c)
+            cute.copy(store_c, thr_store_c.retile(r_ds16), t_s_ds_c)
+            cute.arch.fence_view_async_shared()  # P / dS stores -> warpgroup 1's wgmma reads
+            cute.arch.barrier_arrive(barrier_id=BAR_PDS_FULL, number_of_threads=THREADS)
+
+            # dQ[:, 0:256] += dS K, dS from registers
+            r_dsa = wg_acc_as_a(r_ds16)
+            warpgroup.fence()
+            for i in cutlass.range_constexpr(SCORE_DQ_TILES):
+                for k in cutlass.range_constexpr(BLOCK_N // 16):
+                    cute.gemm(mma_dq, acc_dq[i], r_dsa[None, None, k], r_kt[i][None, None, k],
+                              acc_dq[i])
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+            # the next block into the KV tile once warpgroup 1's dQ MMAs are done with it
+            if b + 1 < n_blocks:
+                cute.arch.barrier(barrier_id=BAR_KV_EMPTY, number_of_threads=THREADS)
+                self.gather(upcoming, BLOCK_N - buf, *gather_args)
+                cute.arch.cp_async_commit_group()
+
+        self.store_dq(t, hb, m_dq, acc_dq, thr_dq, 0)
+
+    @cute.jit
+    def dkv_warpgroup(self, t: Int32, hb: Int32, n_blocks: Int32, m_dq: cute.Tensor,
+                      m_dkv: cute.Tensor, sm: dict, mma_dq: cute.TiledMma,
+                      mma_kv: cute.TiledMma, wtid: Int32) -> None:
+        """Warpgroup 1 over the row's blocks: dQ columns 256 on, dKV chunks and their atomics."""
+        d = self.d_qk
+        n_dq = d // TILE - SCORE_DQ_TILES
+        n_chunks = d // TILE
+        n_v_chunks = D_V // TILE
+        lane = cute.arch.lane_idx()
+        mma_dq.set(warpgroup.Field.ACCUMULATE, True)
+        wg_dq = mma_dq.get_slice(0)
+        wg_kv = mma_kv.get_slice(0)
+        r_ds = mma_dq.make_fragment_A(wg_dq.partition_A(sm["ds"]))   # (MMA, 1, 4)
+        r_kt = [mma_dq.make_fragment_B(wg_dq.partition_B(                 # (MMA, 1, 4) each
+            cute.local_tile(sm["kt"], (TILE, BLOCK_N), (SCORE_DQ_TILES + i, 0))))
+            for i in range(n_dq)]
+        r_dst = mma_kv.make_fragment_A(wg_kv.partition_A(sm["dst"]))  # (MMA, 1, 4)
+        r_pt = mma_kv.make_fragment_A(wg_kv.partition_A(sm["pt"]))    # (MMA, 1, 4)
+        r_qt = [mma_kv.make_fragment_B(wg_kv.partition_B(
+            cute.local_tile(sm["qt"], (TILE, BLOCK_H), (c, 0)))) for c in range(n_chunks)]
+        r_dot = [mma_kv.make_fragment_B(wg_kv.partition_B(
+            cute.local_tile(sm["dot"], (TILE, BLOCK_H), (c, 0)))) for c in range(n_v_chunks)]
+        thr_dq = mma_dq.get_slice(wtid)
+        thr_kv = mma_kv.get_slice(wtid)
+        acc_dq = [cute.make_rmem_tensor(thr_dq.partition_shape_C((BLOCK_H, TILE)), Float32)
+                  for _ in range(n_dq)]
+        for i in cutlass.range_constexpr(n_dq):
+            acc_dq[i].fill(0.0)
+        kv_shape = thr_kv.partition_shape_C((BLOCK_N, TILE))
+        kv_coords = wg_rows_cols(thr_kv.partition_C(cute.make_identity_tensor((BLOCK_N, TILE))))
+        k_steps = BLOCK_H // 16
+
+        for b in cutlass.range(n_blocks, unroll=1):
+            buf = (b % 2) * BLOCK_N
+            cute.arch.barrier(barrier_id=BAR_PDS_FULL, number_of_threads=THREADS)
+            warpgroup.fence()
+            for i in cutlass.range_constexpr(n_dq):
+                for k in cutlass.range_constexpr(BLOCK_N // 16):
+                    cute.gemm(mma_dq, acc_dq[i], r_ds[None, None, k], r_kt[i][None, None, k],
+                              acc_dq[i])
+            warpgroup.commit_group()
+            slots = self.dkv_slots(buf, kv_coords, lane)
+            row_ok = [sm["valid"][s] for s in slots]
+            row_ptr = [m_dkv.iterator + opaque_i64(Int64(sm["idx"][s]) * m_dkv.stride[0])
+                       for s in slots]
+            acc_kv = [cute.make_rmem_tensor(kv_shape, Float32) for _ in range(2)]
+            for c in cutlass.range_constexpr(n_chunks):
+                steps = [(r_dst[None, None, k], r_qt[c][None, None, k]) for k in range(k_steps)]
+                if cutlass.const_expr(c < n_v_chunks):
+                    steps += [(r_pt[None, None, k], r_dot[c][None, None, k])
+                              for k in range(k_steps)]
+                warpgroup.fence()
+                wg_gemm(mma_kv, acc_kv[c % 2], steps, False)  # the first step overwrites
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)  # dQ (c = 0) or chunk c - 1 is done
+                if cutlass.const_expr(c == 0):
+                    if b + 1 < n_blocks:  # the KV tile's last reader is done: gather the next
+                        cute.arch.barrier_arrive(barrier_id=BAR_KV_EMPTY,
+                                                 number_of_threads=THREADS)
+                else:
+                    self.scatter_chunk(wg_rows_cols(acc_kv[(c - 1) % 2]), kv_coords, row_ok,
+                                       row_ptr, (c - 1) * TILE, lane)
+            warpgroup.wait_group(0)
+            if b + 1 < n_blocks:  # P / dS read for the last time: the next block's may land
+                cute.arch.barrier_arrive(barrier_id=BAR_PDS_EMPTY, number_of_threads=THREADS)
+            self.scatter_chunk(wg_rows_cols(acc_kv[(n_chunks - 1) % 2]), kv_coords, row_ok,
+                               row_ptr, (n_chunks - 1) * TILE, lane)
+
+        self.store_dq(t, hb, m_dq, acc_dq, thr_dq, SCORE_DQ_TILES)
+
+    @cute.jit
+    def store_dq(self, t: Int32, hb: Int32, m_dq: cute.Tensor, acc_dq: list,
+                 thr_dq: cute.TiledMma, first_tile: cutlass.Constexpr) -> None:
+        """Store this warpgroup's dQ column tiles (from ``first_tile`` on) of row ``t`` as bf16."""
+        for i in cutlass.range_constexpr(len(acc_dq)):
+            g_dq = cute.local_tile(m_dq[t, None, None], (BLOCK_H, TILE), (hb, first_tile + i))
+            t_g = thr_dq.partition_C(g_dq)
+            r_o = cute.make_fragment_like(acc_dq[i], BFloat16)
+            r_o.store(acc_dq[i].load().to(BFloat16))
+            for e in cutlass.range_constexpr(cute.size(r_o)):
+                t_g[e] = r_o[e]
+
+
+class SparseMlaBwdWsCompact(SparseMlaBwdWs, SparseMlaBwdMainCompact):
+    """Entry point of the compact layout (``topk_length`` given)."""
+
+
+class SparseMlaBwdWsNoncompact(SparseMlaBwdWs, SparseMlaBwdMainNoncompact):
+    """Entry point of the noncompact layout (padding marked by out-of-range indices)."""
+
+
+def compile_bwd_ws(arch: str, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
+                   scatter: bool = True, impl: str = IMPL, extra_options: str = "",
+                   deterministic: bool = False) -> tuple[object, dict[str, object]]:
+    """``cute.compile`` this kernel for ``arch`` (sm_90a; ``CUTE_DSL_ARCH`` set before import).
+    Returns the compiled function and the fake arguments (those of
+    :func:`~dsa_aot.kernels.cutedsl_bwd_main.fake_arguments`) it was compiled with. ``impl`` is
+    the build's flavour name, which must be this module's."""
+    if impl != IMPL:
+        raise ValueError(f"impl={impl!r}: this module builds impl={IMPL!r}; "
+                         "compile_bwd_main builds the others")
+    check_params(d_qk, heads, layout, arch, deterministic)
+    fakes = fake_arguments(d_qk, heads, layout)
+    cls = SparseMlaBwdWsCompact if layout == "compact" else SparseMlaBwdWsNoncompact
+    kernel = cls(d_qk, heads, layout, atomic_width=atomic_width, scatter=scatter)
+    compiled = cute.compile(kernel, *fakes.values(),
+                            options=f"--gpu-arch {arch} {extra_options}".strip())
+    return compiled, fakes
+
+
+__all__ = ["HEADS", "IMPL", "SparseMlaBwdWs", "SparseMlaBwdWsCompact", "SparseMlaBwdWsNoncompact",
+           "can_implement", "check_params", "compile_bwd_ws", "ws_smem_layouts"]

@@ -1,0 +1,308 @@
+"""The warpgroups-by-role CuTe DSL backward main kernel (``impl=wgmma_ws``, sm_90a, H 64 / 128) on CPU.
+
+A ``tile.flavour = "wgmma_ws"`` bwd spec becomes the main stage's impl, names its artifact apart
+from the ``wgmma`` one (the suffix goes to whichever is not the default at H64 / H128) and keys
+its build on the flavour's module; a spec without a flavour gets the default, a deterministic one
+the ``wgmma`` kernel; the forward's own ``wgmma_ws`` flavour is left alone. Requests, specs,
+catalogs and the kernel module refuse other archs, other head counts and the deterministic mode by
+name, and ``compile_bwd_main`` refuses to build the flavour. The shared-memory views the kernel
+reads as MN-major operands alias its K-major tiles byte for byte, and one CTA's shared memory fits
+the 227 KiB of an sm_90a CTA. Four variants (both D, both H, both layouts) compile, export and
+link for sm_90a through :func:`dsa_aot.backends.cutedsl.build.build_cutedsl`: their records and C
+ABI equal the ``wgmma`` flavour's (same arguments, same descriptors), a fresh process opens them
+without ``cutlass``, and the embedded cubins spill nothing (no local memory) within 255 registers.
+Numerics: ``tests/unit/backends/cutedsl/test_cutedsl_bwd_main_kernel.py -m gpu``
+(``DSA_AOT_GPU_TEST_IMPLS=wgmma_ws``), not here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import cubin_resources, embedded_cubin, run_dsl_script
+from dsa_aot.backends import get as get_backend
+from dsa_aot.backends.cutedsl.build import BuildRequest, build_cutedsl, requests_for
+from dsa_aot.backends.cutedsl.records import BWD_WS_HEADS, CuteExportRecord, bwd_main_default_impl
+from dsa_aot.specs.catalog import Catalog
+from dsa_aot.specs.models import KernelSpec, TileConfig
+from dsa_aot.specs.sources import module_sources
+
+IMPL = "wgmma_ws"
+MODULE = "dsa_aot.kernels.cutedsl_bwd_ws"
+BWD_STAGES = ("bwd_preprocess", "bwd_main", "bwd_postprocess")
+
+try:
+    _HAS_DSL = importlib.util.find_spec("cutlass") is not None
+except (ImportError, ValueError):  # pragma: no cover
+    _HAS_DSL = False
+_needs_dsl = pytest.mark.skipif(not _HAS_DSL, reason="needs nvidia-cutlass-dsl to compile")
+
+#: (d_qk, heads, layout) of the variants built: every D, H and layout once, not their product
+#: (each build is about 20 s of a CPU)
+VARIANTS = [(576, 64, "compact"), (512, 128, "noncompact"), (576, 128, "noncompact"),
+            (512, 64, "compact")]
+#: the wgmma build whose record the wgmma_ws one must equal
+WGMMA_TWINS = [(576, 64, "compact")]
+SMEM_LIMIT = 227 * 1024
+MAX_REGS = 255
+
+
+def _spec(heads: int = 64, arch: str = "sm_90a", flavour: str | None = IMPL, d_qk: int = 576,
+          layout: str = "compact", op: str = "bwd", **extra: object) -> KernelSpec:
+    return KernelSpec(op=op, arch=arch, d_qk=d_qk, heads=heads, layout=layout,
+                      backend="cutedsl", tile=TileConfig(flavour=flavour), **extra)
+
+
+def _request(d_qk: int, heads: int, layout: str, flavour: str = IMPL) -> BuildRequest:
+    (request,) = requests_for(_spec(heads, flavour=flavour, d_qk=d_qk, layout=layout),
+                              ("bwd_main",), link="static_cudart")
+    return request
+
+
+def _name(d_qk: int, heads: int, layout: str, impl: str = IMPL) -> str:
+    """The artifact name of a bwd_main request (the impl is named unless it is the default)."""
+    suffix = "" if impl == bwd_main_default_impl("sm_90a", heads) else f"_{impl}"
+    return f"cutedsl_bwd_main_sm_90a_d{d_qk}_h{heads}_{layout}{suffix}_static"
+
+
+# --------------------------------------------------------------------------------------------
+# Requests and specs (no compiler needed)
+# --------------------------------------------------------------------------------------------
+
+def test_flavour_becomes_the_main_stage_impl_and_names_the_artifact() -> None:
+    backend = get_backend("cutedsl")
+    pre, main, post = requests_for(_spec(128, d_qk=512, layout="noncompact"), BWD_STAGES)
+    assert (main.impl, main.compile_params) == (IMPL, {"d_qk": 512, "heads": 128,
+                                                       "layout": "noncompact", "impl": IMPL})
+    assert (pre.impl, post.impl) == (None, None)
+    backend.check_spec(_spec(64))
+    # a wgmma_ws and a wgmma build of one shape never share a name: the non-default one is suffixed
+    for heads in BWD_WS_HEADS:
+        other = "wgmma" if bwd_main_default_impl("sm_90a", heads) == IMPL else IMPL
+        base = f"cutedsl_bwd_main_sm_90a_d512_h{heads}_noncompact"
+        assert {_name(512, heads, "noncompact", impl) for impl in (IMPL, "wgmma")} == {
+            f"{base}_static", f"{base}_{other}_static"}
+    # the build key follows the flavour's module (and the wgmma kernel it builds on)
+    assert backend.kernel_sources(_spec(64)) == (
+        "dsa_aot.kernels.cutedsl_bwd_preprocess", MODULE, "dsa_aot.kernels.cutedsl_bwd_postprocess")
+    sources = module_sources(backend.source_modules(_spec(64)))
+    assert {"dsa_aot/kernels/cutedsl_bwd_ws.py", "dsa_aot/kernels/cutedsl_bwd_main.py"} <= set(sources)
+    assert "dsa_aot/kernels/cutedsl_bwd_ws.py" not in module_sources(
+        backend.source_modules(_spec(64, flavour="wgmma")))
+
+
+@pytest.mark.parametrize("heads", BWD_WS_HEADS)
+def test_specs_without_a_flavour_at_its_heads(heads: int) -> None:
+    """Without a flavour the main stage gets the arch's default at these heads (built by its own
+    module); the deterministic backward, which this flavour does not implement, is the wgmma
+    kernel's and is not refused."""
+    backend = get_backend("cutedsl")
+    default = bwd_main_default_impl("sm_90a", heads)
+    assert default in ("wgmma", IMPL)
+    spec = _spec(heads, flavour=None)
+    _, main, _ = requests_for(spec, BWD_STAGES)
+    assert (main.impl, main.compile_params["impl"]) == (None, default)
+    assert (MODULE in backend.kernel_sources(spec)) == (default == IMPL)
+    det = _spec(heads, flavour=None, deterministic=True)
+    backend.check_spec(det)
+    _, main, _ = requests_for(det, BWD_STAGES)
+    assert main.deterministic and main.compile_params["impl"] == "wgmma"
+    assert backend.kernel_sources(det)[1] == "dsa_aot.kernels.cutedsl_bwd_main"
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    ({"arch": "sm_100a"}, "impl=wgmma_ws needs sm_90a, not sm_100a"),
+    ({"heads": 16}, r"impl=wgmma_ws supports heads \(64, 128\), not heads=16; "
+                    r"use impl=wgmma_slot_major \(or leave impl unset\)"),
+    ({"heads": 32}, r"supports heads \(64, 128\), not heads=32"),
+    ({"deterministic": True}, "deterministic bwd_main is the wgmma flavour, not wgmma_ws"),
+])
+def test_what_the_flavour_cannot_build_is_refused(kwargs: dict, fragment: str) -> None:
+    spec = _spec(**kwargs)
+    with pytest.raises(ValueError, match=f"tile.flavour='{IMPL}' cannot be honoured.*{fragment}"):
+        requests_for(spec, BWD_STAGES)
+    with pytest.raises(ValueError, match=fragment):
+        get_backend("cutedsl").check_spec(spec)
+    request = dict(kernel="bwd_main", arch=kwargs.get("arch", "sm_90a"), d_qk=576,
+                   heads=kwargs.get("heads", 64), layout="compact", impl=IMPL,
+                   deterministic=kwargs.get("deterministic", False))
+    with pytest.raises(ValueError, match=fragment):
+        BuildRequest(**request)
+
+
+def test_the_forward_keeps_its_own_wgmma_ws() -> None:
+    """``wgmma_ws`` names a forward flavour too: a fwd spec naming it is the forward's (built by
+    the forward's module, at any head count), untouched by the backward flavour's limits."""
+    backend = get_backend("cutedsl")
+    for heads in (16, 128):
+        spec = _spec(heads, op="fwd")
+        (fwd,) = requests_for(spec, ("fwd",))
+        assert (fwd.kernel, fwd.impl, fwd.compile_params["impl"]) == ("fwd", IMPL, IMPL)
+        assert backend.kernel_sources(spec) == ("dsa_aot.kernels.cutedsl_fwd",)
+        backend.check_spec(spec)
+
+
+def test_catalog_expands_a_ws_block() -> None:
+    block = {"ops": ["bwd"], "archs": ["sm_90a"], "d_qk": [512, 576], "heads": [64, 128],
+             "layouts": ["noncompact"], "backends": ["cutedsl"], "tile": {"flavour": IMPL}}
+    specs = Catalog.model_validate({"matrix": [block]}).specs()
+    assert sorted((s.d_qk, s.heads, s.layout, s.tile.flavour) for s in specs) == [
+        (d, h, "noncompact", IMPL) for d in (512, 576) for h in (64, 128)]
+    with pytest.raises(ValueError, match="not heads=16"):
+        Catalog.model_validate({"matrix": [{**block, "heads": [16]}]}).specs()
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel module (compiler needed)
+# --------------------------------------------------------------------------------------------
+
+_KERNEL_CHECKS = """
+from dsa_aot.backends.cutedsl.records import BWD_WS_HEADS
+from dsa_aot.kernels import cutedsl_bwd_ws as k
+from dsa_aot.kernels.cutedsl_bwd_main import compile_bwd_main
+assert (k.IMPL, k.HEADS) == ('wgmma_ws', BWD_WS_HEADS), (k.IMPL, k.HEADS, BWD_WS_HEADS)
+try:
+    compile_bwd_main('sm_90a', 576, 64, 'compact', impl='wgmma_ws')
+except ValueError as e:
+    print('main', e)
+else:
+    raise SystemExit('compile_bwd_main built the wgmma_ws flavour')
+assert k.can_implement(576, 64, 'compact') and k.can_implement(512, 128, 'noncompact')
+assert not k.can_implement(576, 16, 'compact') and not k.can_implement(576, 32, 'compact')
+assert not k.can_implement(448, 64, 'compact') and not k.can_implement(576, 64, 'paged')
+for args, kw in [(('sm_100a', 576, 64, 'compact'), {}), (('sm_90a', 576, 16, 'compact'), {}),
+                 (('sm_90a', 512, 32, 'noncompact'), {}),
+                 (('sm_90a', 576, 64, 'compact'), {'deterministic': True}),
+                 (('sm_90a', 576, 64, 'compact'), {'impl': 'wgmma'})]:
+    try:
+        k.compile_bwd_ws(*args, **kw)
+    except ValueError as e:
+        print('refused', e)
+    else:
+        raise SystemExit('compiled %r %r' % (args, kw))
+"""
+
+
+@_needs_dsl
+def test_kernel_refuses_what_it_cannot_build(tmp_path: Path) -> None:
+    proc = run_dsl_script(_KERNEL_CHECKS, tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 6, proc.stdout
+    # compile_bwd_main builds mma / wgmma only and names the module that builds this flavour
+    assert lines[0].startswith("main ") and "impl='wgmma_ws'" in lines[0], lines[0]
+    assert "this module builds ('mma', 'wgmma')" in lines[0], lines[0]
+    assert "dsa_aot.kernels.cutedsl_bwd_ws.compile_bwd_ws" in lines[0], lines[0]
+    assert "needs sm_90a, not sm_100a" in lines[1]
+    assert "heads=16" in lines[2] and "supports heads (64, 128)" in lines[2]
+    assert "impl='wgmma_slot_major'" in lines[2]
+    assert "heads=32" in lines[3]
+    assert "deterministic=True is implemented by impl='wgmma'" in lines[4]
+    assert "this module builds impl='wgmma_ws'" in lines[5]
+
+
+_VIEW_CHECK = """
+import cutlass.cute as cute
+from dsa_aot.kernels import cutedsl_bwd_ws as k
+
+def differ(tile, view, rows, cols):
+    # a layout's offset is the sum of its modes' offsets: evaluate each mode once (a call is
+    # slow while tracing), then compare every (r, c) with its transposed view
+    t_r, t_c = [tile((r, 0)) for r in range(rows)], [tile((0, c)) for c in range(cols)]
+    v_r, v_c = [view((0, r)) for r in range(rows)], [view((c, 0)) for c in range(cols)]
+    assert tile((rows - 1, cols - 1)) == t_r[-1] + t_c[-1]
+    return sum(1 for r in range(rows) for c in range(cols) if t_r[r] + t_c[c] != v_r[r] + v_c[c])
+
+@cute.jit
+def check():
+    for d in (512, 576):
+        lay = k.ws_smem_layouts(d)
+        assert len({str(v.inner) for v in lay.values()}) == 1
+        print("q", d, differ(lay["q"].outer, lay["q_t"].outer, 64, d))
+        print("dout", d, differ(lay["dout"].outer, lay["dout_t"].outer, 64, 512))
+        print("kv", d, differ(lay["kv"].outer, lay["kv_t"].outer, 64, d))
+        print("p", d, differ(lay["p"].outer, lay["p_t"].outer, 64, 64))
+        _, storage = k.shared_storage(d)
+        print("smem", d, storage.size_in_bytes())
+
+check()
+"""
+
+
+@_needs_dsl
+def test_operand_views_alias_the_tiles_and_shared_memory_fits(tmp_path: Path) -> None:
+    """The MN-major views (``q_t``, ``dout_t``, ``kv_t``, ``p_t``) address exactly the K-major
+    tiles' elements, under one swizzle; one CTA's shared memory (plus the 1 KiB the compiler
+    reserves) holds the five bf16 tiles and fits an sm_90a CTA."""
+    proc = run_dsl_script(_VIEW_CHECK, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split() for line in proc.stdout.splitlines()]
+    counts = [line for line in lines if line[0] in ("q", "dout", "kv", "p")]
+    assert len(counts) == 8 and all(line[-1] == "0" for line in counts), proc.stdout
+    smem = {int(line[1]): int(line[2]) for line in lines if line[0] == "smem"}
+    assert sorted(smem) == [512, 576], proc.stdout
+    for d, size in smem.items():
+        tiles = 2 * (64 * d + 64 * 512 + 64 * d + 2 * 64 * 64)  # q, dout, kv, P, dS (bf16)
+        assert tiles <= size and size + 1024 <= SMEM_LIMIT, (d, size)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, CuteExportRecord]]:
+    if not _HAS_DSL:
+        pytest.skip("needs nvidia-cutlass-dsl to compile")
+    out = tmp_path_factory.mktemp("bwd_ws")
+    requests = ([_request(*v) for v in VARIANTS]
+                + [_request(*v, flavour="wgmma") for v in WGMMA_TWINS])
+    return out, {r.name: r for r in build_cutedsl(requests, out)}
+
+
+@_needs_dsl
+def test_every_variant_builds_with_the_wgmma_abi(built: tuple[Path, dict[str, CuteExportRecord]]) -> None:
+    out, records = built
+    assert sorted(records) == sorted([_name(*v) for v in VARIANTS]
+                                     + [_name(*v, impl="wgmma") for v in WGMMA_TWINS])
+    for d_qk, heads, layout in VARIANTS:
+        rec = records[_name(d_qk, heads, layout)]
+        assert (rec.kernel, rec.arch, rec.d_qk, rec.heads, rec.layout, rec.impl) == (
+            "bwd_main", "sm_90a", d_qk, heads, layout, IMPL)
+        assert not rec.deterministic and rec.kv_stages is None
+        tensors = (["q", "kv", "dout", "topk_idxs"] + (["topk_length"] if layout == "compact" else [])
+                   + ["lse_sink", "delta", "dq", "dkv_acc"])
+        assert [a.name for a in rec.args] == tensors + ["softmax_scale", "stream"]
+        header = (out / rec.name / rec.header).read_text()
+        assert f"void *args[{len(rec.args) + 1}] = {{" in header
+        assert b"kernel_ws" in (out / rec.name / rec.object_file).read_bytes()  # this module's kernel
+    for d_qk, heads, layout in WGMMA_TWINS:
+        twin = records[_name(d_qk, heads, layout, "wgmma")]
+        assert twin.impl == "wgmma"
+        assert b"kernel_ws" not in (out / twin.name / twin.object_file).read_bytes()
+        assert records[_name(d_qk, heads, layout)].args == twin.args
+
+
+@_needs_dsl
+def test_cubins_spill_nothing(built: tuple[Path, dict[str, CuteExportRecord]]) -> None:
+    """No local memory (spills) and at most 255 registers a thread (256 threads a CTA)."""
+    out, records = built
+    for d_qk, heads, layout in VARIANTS:
+        rec = records[_name(d_qk, heads, layout)]
+        found = cubin_resources(embedded_cubin((out / rec.name / rec.object_file).read_bytes()))
+        assert found.get("frame") == 0 and 0 < found.get("regs", 0) <= MAX_REGS, (rec.name, found)
+
+
+@_needs_dsl
+def test_libraries_open_without_cutlass(built: tuple[Path, dict[str, CuteExportRecord]]) -> None:
+    out, records = built
+    folders = [str(out / _name(*v)) for v in VARIANTS]
+    code = ("import sys\nfrom dsa_aot.backends.cutedsl.runtime import load_kernel\n"
+            "for folder in sys.argv[1:]:\n"
+            "    k = load_kernel(folder)\n    print(','.join(k.tensor_names + k.scalar_names))\n"
+            "assert 'cutlass' not in sys.modules and 'torch' not in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code, *folders], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.split()) == len(VARIANTS)
