@@ -35,7 +35,8 @@ Hand-offs (named barriers joining all 256 threads; ``->`` arrive, ``<-`` wait), 
 The slot indices are double-buffered (warpgroup 1 adds block ``b`` while block ``b + 1``'s are
 written). Shared memory: ``q``, ``dout``, one KV tile, ``P``, ``dS`` (229,376 bytes at D 576),
 indices, ``lse`` and ``delta``: one CTA of two warpgroups per SM, one per query row and block of
-64 heads (H 128: two CTAs per row, neighbours in the grid). ``dQ`` stays in registers over the
+64 heads (H 128: two CTAs per row, neighbours in the one-dimensional grid, so the second
+gathers the row's KV rows from L2). ``dQ`` stays in registers over the
 row (64 x 256 fp32 in warpgroup 0, 64 x 320 at D 576 / 64 x 256 at D 512 in warpgroup 1) and is
 stored as bf16 at the end (0 for a row without a valid slot).
 
@@ -193,7 +194,8 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                 q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc, softmax_scale,
                 lay["q"], lay["dout"], lay["kv"], lay["p"], lay["q_t"], lay["dout_t"],
                 lay["kv_t"], lay["p_t"], row_copy, gather_copy, mma_s, mma_dq_rs, mma_dq_ss,
-                mma_kv, SharedStorage).launch(grid=[s_q_rows, n_hb, 1], block=[THREADS, 1, 1],
+                mma_kv, SharedStorage).launch(grid=[s_q_rows * n_hb, 1, 1],
+                                              block=[THREADS, 1, 1],
                                               smem=SharedStorage.size_in_bytes(), stream=stream)
 
     # ---------------------------------------------------------------------------------------
@@ -214,7 +216,10 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                   SharedStorage: cutlass.Constexpr) -> None:
         d = self.d_qk
         tidx, _, _ = cute.arch.thread_idx()
-        t, hb, _ = cute.arch.block_idx()
+        bid, _, _ = cute.arch.block_idx()
+        n_hb = self.heads // BLOCK_H
+        t = bid // n_hb   # the head blocks of a row are neighbours: its second gather hits L2
+        hb = bid % n_hb
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         wtid = tidx % WG_THREADS
         s_kv = cute.size(m_kv, mode=[0])
