@@ -28,6 +28,7 @@ from dsa_aot.backends import get as get_backend
 from dsa_aot.backends.cutedsl.build import BuildRequest, build_cutedsl, probe_isfinite, read_record
 from dsa_aot.backends.cutedsl.records import DSL_RUNTIME_LIB, CuteExportRecord
 from dsa_aot.backends.cutedsl.runtime import CuteRuntimeError, find_runtime_library, load_kernel
+from dsa_aot.kernels.dkv_interleave import natural_order
 
 ARCHES = ("sm_90a", "sm_100a")
 _CUDA = torch.cuda.is_available()
@@ -332,4 +333,6 @@ def test_postprocess_rounds_like_torch(gpu_stages: dict, s_kv: int, d: int) -> N
     dkv = torch.full((s_kv, d), math.nan, device="cuda", dtype=torch.bfloat16)
     kernel(acc, dkv)
     torch.cuda.synchronize()
-    assert torch.equal(dkv, acc.bfloat16())
+    # the accumulator's columns are interleaved (kernels/dkv_interleave.py): dkv is the natural order
+    order = torch.tensor(natural_order(d), device="cuda")
+    assert torch.equal(dkv, acc[:, order].bfloat16())
