@@ -125,6 +125,24 @@ def wg_gemm(mma: cute.TiledMma, acc: cute.Tensor, steps: list, accumulate: bool)
         cute.gemm(mma, acc, a, b, acc)
 
 
+def score_gemms(mma_s: cute.TiledMma, acc_shape, r_q: cute.Tensor, r_do: cute.Tensor,
+                r_k: cute.Tensor, d_qk: int) -> tuple[cute.Tensor, cute.Tensor]:
+    """``S = Q K^T`` and ``dP = dO V^T`` for one block, waited for: the k-steps interleaved, so
+    each K descriptor feeds both GEMMs back to back (no long live ranges); k = 0 overwrites the
+    accumulators (wgmma scale-d 0, no zero-fill). Returns ``(acc_s, acc_dp)``."""
+    acc_s = cute.make_rmem_tensor(acc_shape, Float32)
+    acc_dp = cute.make_rmem_tensor(acc_shape, Float32)
+    warpgroup.fence()
+    for k in range(d_qk // 16):  # a plain function: Python loops unroll while tracing
+        mma_s.set(warpgroup.Field.ACCUMULATE, k > 0)
+        cute.gemm(mma_s, acc_s, r_q[None, None, k], r_k[None, None, k], acc_s)
+        if k < D_V // 16:
+            cute.gemm(mma_s, acc_dp, r_do[None, None, k], r_k[None, None, k], acc_dp)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
+    return acc_s, acc_dp
+
+
 def wgmma_smem_layouts(d_qk: int) -> dict[str, cute.ComposedLayout]:
     """Shared-memory layouts of the wgmma flavour (call while tracing a ``cute.jit`` function).
 
@@ -641,18 +659,7 @@ class SparseMlaBwdMain:
                     self.rank_duplicates(buf, s_idx, s_valid, s_rank, s_max_rank, tidx, lane)
 
                 # S = Q K^T and dP = dO V^T (this warpgroup's 32 slots)
-                acc_s = cute.make_rmem_tensor(acc_shape, Float32)
-                acc_dp = cute.make_rmem_tensor(acc_shape, Float32)
-                # interleaved k-steps: each K descriptor feeds both GEMMs back to back (no long
-                # live ranges); k = 0 overwrites the accumulators (no zero-fill)
-                warpgroup.fence()
-                for k in cutlass.range_constexpr(d // 16):
-                    mma_s.set(warpgroup.Field.ACCUMULATE, k > 0)
-                    cute.gemm(mma_s, acc_s, r_q[None, None, k], r_k[None, None, k], acc_s)
-                    if cutlass.const_expr(k < D_V // 16):
-                        cute.gemm(mma_s, acc_dp, r_do[None, None, k], r_k[None, None, k], acc_dp)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
+                acc_s, acc_dp = score_gemms(mma_s, acc_shape, r_q, r_do, r_k, d)
 
                 acc_s_rc = wg_rows_cols(acc_s)
                 acc_dp_rc = wg_rows_cols(acc_dp)

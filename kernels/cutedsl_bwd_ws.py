@@ -58,7 +58,7 @@ from dsa_aot.kernels import cutedsl_bwd_main as main
 from dsa_aot.kernels.cutedsl_bwd_main import (BLOCK_H, BLOCK_N, LOG2E, SparseMlaBwdMain,
                                               SparseMlaBwdMainCompact,
                                               SparseMlaBwdMainNoncompact, fake_arguments,
-                                              opaque_i64, wg_gemm)
+                                              opaque_i64, score_gemms, wg_gemm)
 from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, LAYOUTS, VEC, wg_acc_as_a,
                                             wg_rows_cols)
 
@@ -320,16 +320,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                 cute.arch.barrier(barrier_id=BAR_SCORE, number_of_threads=WG_THREADS)
 
             # S = Q K^T and dP = dO V^T, interleaved k-steps; k = 0 overwrites (scale-d 0)
-            acc_s = cute.make_rmem_tensor(acc_shape, Float32)
-            acc_dp = cute.make_rmem_tensor(acc_shape, Float32)
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(d // 16):
-                mma_s.set(warpgroup.Field.ACCUMULATE, k > 0)
-                cute.gemm(mma_s, acc_s, r_q[None, None, k], r_k[None, None, k], acc_s)
-                if cutlass.const_expr(k < D_V // 16):
-                    cute.gemm(mma_s, acc_dp, r_do[None, None, k], r_k[None, None, k], acc_dp)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            acc_s, acc_dp = score_gemms(mma_s, acc_shape, r_q, r_do, r_k, d)
 
             acc_s_rc = wg_rows_cols(acc_s)
             acc_dp_rc = wg_rows_cols(acc_dp)
