@@ -7,7 +7,11 @@ backward.
 
 Writes the JSON records and a Markdown table (same name, .md) with command, GPU, toolchain and
 date. Each time is the median of ``--reps`` calls after warm-up; forward times are the best of
-``--rounds`` interleaved rounds (FlashMLA, then our backends), which evens out clock drift. Our kernels come through the public API, so the artifact that runs is the one the loader
+``--rounds`` interleaved rounds (FlashMLA, then our backends), which evens out clock drift.
+Where a peer ran, each of our rows also gets a paired ratio: the peer and ours called
+alternately, each call timed by its own events, and the median (and quartiles) of the per-pair
+ratios, which compares the two under the same clock and temperature (``--no-paired`` skips it).
+Our kernels come through the public API, so the artifact that runs is the one the loader
 picks (set DSA_AOT_REQUIRE_PREBUILT=1 to be sure it is prebuilt). ``--variant`` adds rows for a
 spec with a non-default tile (e.g. an MMA flavour), loaded by the production loader from the
 prebuilt root (or built into the cache). FlashMLA is loaded from a compiled ``_flashmla_C``
@@ -25,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bwd_flops, environment, fwd_flops, make_inputs, time_cuda  # noqa: E402
+from common import bwd_flops, environment, fwd_flops, make_inputs, time_cuda, time_paired  # noqa: E402
 
 import dsa_aot  # noqa: E402
 from dsa_aot import ops, settings  # noqa: E402
@@ -127,6 +131,14 @@ def run_forced(op: str, backend: str, call, heads: int, d_qk: int, topk: int, re
 REF_ROWS = 256
 
 
+def _paired_fields(paired: dict | None) -> dict:
+    """A record's paired-timing fields (peer ms / ours, call by call), or none."""
+    if not paired:
+        return {}
+    return {"paired_ratio": round(paired["ratio"], 3), "paired_ratio_q1": round(paired["q1"], 3),
+            "paired_ratio_q3": round(paired["q3"], 3)}
+
+
 def reference(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 reference on the first 256 query rows (the full problem would take minutes)."""
     from dsa_aot.kernels.reference import sparse_mla_fwd_ref
@@ -154,6 +166,8 @@ def main() -> int:
     ap.add_argument("--variant", action="append", default=[],
                     help="extra rows for op:backend:tile-field=value,... e.g. bwd:cutedsl:flavour=wgmma")
     ap.add_argument("--shapes", type=int, nargs="+", help="only these row numbers (0-based) of each table")
+    ap.add_argument("--no-paired", action="store_true",
+                    help="skip the paired timing (ours and the peer called alternately, median per-pair ratio)")
     args = ap.parse_args()
     env = environment()
     records = []
@@ -181,12 +195,21 @@ def main() -> int:
             print(f"fwd  flashmla  h{h} d{d} k{k}: {peer_ms:.3f} ms "
                   f"{fwd_flops(s_q, h, k, d) / peer_ms / 1e9:.0f} TFLOPS", flush=True)
         runs = list(best.items())
+        paired: dict[str, dict] = {}
+        ours_fwd = lambda: dsa_aot.sparse_mla_fwd(x["q"], x["kv"], x["topk_idxs"], attn_sink=x["attn_sink"])  # noqa: E731
+        for backend, run in runs:
+            if run is not None and flashmla is not None and not args.no_paired:
+                with settings.scope(backends=(backend,)):
+                    paired[backend] = time_paired(lambda: flashmla(x, scale), ours_fwd, reps=args.reps)
         for text in args.variant:
             found = variant_kernel(text, "fwd", h, d, x["q"].device.index or 0)
             if found is not None:
                 spec, kernel = found
                 call = lambda: kernel(x["q"], x["kv"], x["topk_idxs"], None, x["attn_sink"], scale)  # noqa: E731
-                runs.append((f"{spec.backend}[{text.split(':', 2)[2]}]", (call(), time_cuda(call, reps=args.reps))))
+                name = f"{spec.backend}[{text.split(':', 2)[2]}]"
+                runs.append((name, (call(), time_cuda(call, reps=args.reps))))
+                if flashmla is not None and not args.no_paired:
+                    paired[name] = time_paired(lambda: flashmla(x, scale), call, reps=args.reps)
         for backend, run in runs:
             if run is None:
                 continue
@@ -201,6 +224,7 @@ def main() -> int:
                 rec.update(peer="flashmla sparse_prefill_fwd", peer_ms=round(peer_ms, 4), ratio=round(peer_ms / ms, 3),
                            agreement_rel_err={"out": round(rel(out, theirs_out), 5),
                                               "lse": round(rel(lse, theirs_lse), 7)})
+                rec.update(_paired_fields(paired.get(backend)))
             records.append(rec)
             print(f"fwd  {backend:9s} h{h} d{d} k{k}: {ms:.3f} ms {tf:.0f} TFLOPS  ours/peer speed "
                   f"{rec['ratio']}", flush=True)
@@ -214,17 +238,25 @@ def main() -> int:
             peer_res = theirs()  # JIT compile happens here
             peer_ms = time_cuda(theirs, reps=args.reps)
         runs = []
+        paired = {}
+        ours_bwd = lambda: dsa_aot.sparse_mla_bwd(  # noqa: E731
+            x["q"], x["kv"], out, x["dout"], lse, x["topk_idxs"], attn_sink=x["attn_sink"])
         for backend in args.bwd_backends:
-            runs.append((backend, run_forced("bwd", backend, lambda: dsa_aot.sparse_mla_bwd(
-                x["q"], x["kv"], out, x["dout"], lse, x["topk_idxs"], attn_sink=x["attn_sink"]),
-                h, d, k, args.reps)))
+            run = run_forced("bwd", backend, ours_bwd, h, d, k, args.reps)
+            runs.append((backend, run))
+            if run is not None and peer is not None and not args.no_paired:
+                with settings.scope(backends=(backend,)):
+                    paired[backend] = time_paired(theirs, ours_bwd, reps=args.reps)
         for text in args.variant:
             found = variant_kernel(text, "bwd", h, d, x["q"].device.index or 0)
             if found is not None:
                 spec, kernel = found
                 call = lambda: kernel(x["q"], x["kv"], out, x["dout"], lse, x["topk_idxs"], None,  # noqa: E731
                                       x["attn_sink"], d ** -0.5)
-                runs.append((f"{spec.backend}[{text.split(':', 2)[2]}]", (call(), time_cuda(call, reps=args.reps))))
+                name = f"{spec.backend}[{text.split(':', 2)[2]}]"
+                runs.append((name, (call(), time_cuda(call, reps=args.reps))))
+                if peer is not None and not args.no_paired:
+                    paired[name] = time_paired(theirs, call, reps=args.reps)
         for backend, run in runs:
             if run is None:
                 continue
@@ -237,6 +269,7 @@ def main() -> int:
                 agree = {n: rel(m, peer_res[n]) for n, m in zip(("dq", "dkv", "d_sink"), mine)}
                 rec.update(peer="cudnn-frontend sparse_attention_backward_wrapper", peer_ms=round(peer_ms, 4),
                            ratio=round(peer_ms / ms, 3), agreement_rel_err={n: round(v, 5) for n, v in agree.items()})
+                rec.update(_paired_fields(paired.get(backend)))
             records.append(rec)
             print(f"bwd  {backend:9s} h{h} d{d} k{k}: {ms:.3f} ms {tf:.0f} TFLOPS  peer {rec['peer_ms']} ms  "
                   f"ours/peer speed {rec['ratio']}", flush=True)
@@ -246,13 +279,15 @@ def main() -> int:
     lines = [f"# Sparse MLA on {env['gpu']}", "",
              f"Command: `{cmd}`  ", f"Date: {env['date']}  ",
              "Toolchain: " + ", ".join(f"{k} {v}" for k, v in env.items() if k not in ("gpu", "date")), "",
-             "| op | backend | S_q | S_kv | H | D_qk | K | dsa-aot ms | TFLOPS | peer ms | peer TFLOPS | ratio (peer ms / ours) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| op | backend | S_q | S_kv | H | D_qk | K | dsa-aot ms | TFLOPS | peer ms | peer TFLOPS | ratio (peer ms / ours) "
+             "| paired ratio [q1, q3] |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         flops = (fwd_flops if r["op"] == "fwd" else bwd_flops)(r["s_q"], r["heads"], r["topk"], r["d_qk"])
         ptf = f"{flops / r['peer_ms'] / 1e9:.0f}" if r["peer_ms"] else "-"
         lines.append(f"| {r['op']} | {r['backend'].split('/')[-1]} | {r['s_q']} | {r['s_kv']} | {r['heads']} | {r['d_qk']} | {r['topk']} | "
-                     f"{r['ms']:.3f} | {r['tflops']:.0f} | {r['peer_ms'] or '-'} | {ptf} | {r['ratio'] or '-'} |")
+                     f"{r['ms']:.3f} | {r['tflops']:.0f} | {r['peer_ms'] or '-'} | {ptf} | {r['ratio'] or '-'} | "
+                     + (f"{r['paired_ratio']} [{r['paired_ratio_q1']}, {r['paired_ratio_q3']}] |" if r.get("paired_ratio") else "- |"))
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[-len(records) - 2:]))
     return 0

@@ -42,6 +42,31 @@ def time_cuda(fn, *, warmup: int = 5, reps: int = 30) -> float:
     return statistics.median(times)
 
 
+def time_paired(fn_a, fn_b, *, warmup: int = 3, reps: int = 30) -> dict[str, float]:
+    """``fn_a`` and ``fn_b`` called alternately (a, b, then b, a, ...), each call timed by its own
+    CUDA events. The median of the per-pair ratios ``ms_a / ms_b`` compares the two under the
+    same clock and temperature, which drift between rounds timed one after the other; ``q1`` /
+    ``q3`` are its quartiles."""
+    for _ in range(warmup):
+        fn_a()
+        fn_b()
+    torch.cuda.synchronize()
+    times: dict[int, list[float]] = {0: [], 1: []}
+    for rep in range(reps):
+        order = ((0, fn_a), (1, fn_b)) if rep % 2 == 0 else ((1, fn_b), (0, fn_a))
+        for which, fn in order:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[which].append(start.elapsed_time(end))
+    ratios = statistics.quantiles([a / b for a, b in zip(times[0], times[1])], n=4)
+    return {"a_ms": statistics.median(times[0]), "b_ms": statistics.median(times[1]),
+            "ratio": ratios[1], "q1": ratios[0], "q3": ratios[2]}
+
+
 def fwd_flops(s_q: int, heads: int, topk: int, d_qk: int, d_v: int = 512) -> float:
     return 2.0 * s_q * heads * topk * (d_qk + d_v)
 
