@@ -30,16 +30,18 @@ def time_cuda(fn, *, warmup: int = 5, reps: int = 30) -> float:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(_timed(fn) for _ in range(reps))
+
+
+def _timed(fn) -> float:
+    """Milliseconds of one ``fn()`` between two CUDA events, waited for."""
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def time_paired(fn_a, fn_b, *, warmup: int = 3, reps: int = 30) -> dict[str, float]:
@@ -55,13 +57,7 @@ def time_paired(fn_a, fn_b, *, warmup: int = 3, reps: int = 30) -> dict[str, flo
     for rep in range(reps):
         order = ((0, fn_a), (1, fn_b)) if rep % 2 == 0 else ((1, fn_b), (0, fn_a))
         for which, fn in order:
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times[which].append(start.elapsed_time(end))
+            times[which].append(_timed(fn))
     ratios = statistics.quantiles([a / b for a, b in zip(times[0], times[1])], n=4)
     return {"a_ms": statistics.median(times[0]), "b_ms": statistics.median(times[1]),
             "ratio": ratios[1], "q1": ratios[0], "q3": ratios[2]}
