@@ -179,16 +179,17 @@ def main() -> int:
         ref_out, ref_lse = reference(x)  # once per shape; every backend is checked against it
         scale = d ** -0.5
         peer_ms = None
+        theirs_fwd = lambda: flashmla(x, scale)  # noqa: E731
+        ours_fwd = lambda: dsa_aot.sparse_mla_fwd(x["q"], x["kv"], x["topk_idxs"], attn_sink=x["attn_sink"])  # noqa: E731
         if flashmla is not None:
-            theirs_out, theirs_lse = flashmla(x, scale)
+            theirs_out, theirs_lse = theirs_fwd()
         best: dict[str, tuple | None] = {}
         for _ in range(args.rounds):  # interleaved: peer, then each backend, round after round
             if flashmla is not None:
-                ms = time_cuda(lambda: flashmla(x, scale), reps=args.reps)
+                ms = time_cuda(theirs_fwd, reps=args.reps)
                 peer_ms = ms if peer_ms is None else min(peer_ms, ms)
             for backend in args.fwd_backends:
-                run = run_forced("fwd", backend, lambda: dsa_aot.sparse_mla_fwd(
-                    x["q"], x["kv"], x["topk_idxs"], attn_sink=x["attn_sink"]), h, d, k, args.reps)
+                run = run_forced("fwd", backend, ours_fwd, h, d, k, args.reps)
                 prev = best.get(backend)
                 best[backend] = run if prev is None or run is None else (prev[0], min(prev[1], run[1]))
         if peer_ms is not None:
@@ -196,11 +197,10 @@ def main() -> int:
                   f"{fwd_flops(s_q, h, k, d) / peer_ms / 1e9:.0f} TFLOPS", flush=True)
         runs = list(best.items())
         paired: dict[str, dict] = {}
-        ours_fwd = lambda: dsa_aot.sparse_mla_fwd(x["q"], x["kv"], x["topk_idxs"], attn_sink=x["attn_sink"])  # noqa: E731
         for backend, run in runs:
             if run is not None and flashmla is not None and not args.no_paired:
                 with settings.scope(backends=(backend,)):
-                    paired[backend] = time_paired(lambda: flashmla(x, scale), ours_fwd, reps=args.reps)
+                    paired[backend] = time_paired(theirs_fwd, ours_fwd, reps=args.reps)
         for text in args.variant:
             found = variant_kernel(text, "fwd", h, d, x["q"].device.index or 0)
             if found is not None:
@@ -209,7 +209,7 @@ def main() -> int:
                 name = f"{spec.backend}[{text.split(':', 2)[2]}]"
                 runs.append((name, (call(), time_cuda(call, reps=args.reps))))
                 if flashmla is not None and not args.no_paired:
-                    paired[name] = time_paired(lambda: flashmla(x, scale), call, reps=args.reps)
+                    paired[name] = time_paired(theirs_fwd, call, reps=args.reps)
         for backend, run in runs:
             if run is None:
                 continue
