@@ -1,4 +1,4 @@
-// L2 reduction throughput probe: the dKV scatter of the sparse MLA backward, three ways.
+// L2 reduction throughput probe: the dKV scatter of the sparse MLA backward, several ways.
 //
 // Every variant adds the same work into an fp32 buffer dkv[S_kv][576]: per task (one query
 // row's block of 64 gathered slots) a 64 x 576 fp32 tile into the 64 rows idx[task][0..63]
@@ -22,6 +22,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -138,16 +139,17 @@ struct Variant {
   void (*launch)(float*, const int*, int, int, cudaStream_t, const unsigned short*);
 };
 
+// lets `kernel` take `bytes` of dynamic shared memory (above the 48 KiB default)
+template <typename Kernel>
+void allow_smem(Kernel kernel, size_t bytes) {
+  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+}
+
 template <bool kLines, bool kGather>
 void launch_red(float* dkv, const int* idx, int n, int grid, cudaStream_t st,
                 const unsigned short* kv) {
   size_t smem = kGather ? ROWS * D * 2 : 0;
-  static bool once = [&] {
-    CHECK(cudaFuncSetAttribute(red_v4<kLines, kGather>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    return true;
-  }();
-  (void)once;
+  allow_smem(red_v4<kLines, kGather>, smem);
   red_v4<kLines, kGather><<<grid, THREADS, smem, st>>>(dkv, idx, n, kv);
 }
 
@@ -155,12 +157,7 @@ template <int W, int RB>
 void launch_bulk(float* dkv, const int* idx, int n, int grid, cudaStream_t st,
                  const unsigned short*) {
   size_t smem = 2 * RB * W * sizeof(float);
-  static bool once = [&] {
-    CHECK(cudaFuncSetAttribute(bulk<W, RB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               int(smem)));
-    return true;
-  }();
-  (void)once;
+  allow_smem(bulk<W, RB>, smem);
   bulk<W, RB><<<grid, THREADS, smem, st>>>(dkv, idx, n);
 }
 
