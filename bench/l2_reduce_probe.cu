@@ -149,7 +149,8 @@ template <bool kLines, bool kGather>
 void launch_red(float* dkv, const int* idx, int n, int grid, cudaStream_t st,
                 const unsigned short* kv) {
   size_t smem = kGather ? ROWS * D * 2 : 0;
-  allow_smem(red_v4<kLines, kGather>, smem);
+  static const bool once = (allow_smem(red_v4<kLines, kGather>, smem), true);  // outside the timed launches
+  (void)once;
   red_v4<kLines, kGather><<<grid, THREADS, smem, st>>>(dkv, idx, n, kv);
 }
 
@@ -157,7 +158,8 @@ template <int W, int RB>
 void launch_bulk(float* dkv, const int* idx, int n, int grid, cudaStream_t st,
                  const unsigned short*) {
   size_t smem = 2 * RB * W * sizeof(float);
-  allow_smem(bulk<W, RB>, smem);
+  static const bool once = (allow_smem(bulk<W, RB>, smem), true);
+  (void)once;
   bulk<W, RB><<<grid, THREADS, smem, st>>>(dkv, idx, n);
 }
 
