@@ -169,7 +169,7 @@ class StagedBwd(BwdKernel):
 
     #: The tensors a backward call has, in the order :meth:`__call__` collects them.
     TENSORS = ("q", "kv", "out", "dout", "lse", "topk_idxs", "topk_length", "attn_sink", "delta",
-               "lse_sink", "dq", "dkv", "dkv_acc", "d_sink_acc", "d_sink")
+               "lse_sink", "dq", "dkv", "dkv_acc", "dkv_scale", "d_sink_acc", "d_sink")
 
     def __init__(self, pre: BwdStage, main: BwdStage, post: BwdStage, spec: KernelSpec | SpecFields) -> None:
         from dsa_aot.backends.tilelang.launch import CubinKernel  # ctypes only; no compiler
@@ -190,24 +190,21 @@ class StagedBwd(BwdKernel):
         dq = torch.empty_like(q)
         dkv = torch.empty((s_kv, d_qk), dtype=torch.bfloat16, device=dev)
         if self.spec.deterministic:
-            from dsa_aot import settings
-
-            shards, parts = deterministic_split(_sm_count(dev), s_q, s_kv, heads, d_qk,
-                                                settings.get().deterministic_workspace_bytes)
-            dkv_acc = torch.zeros((shards, s_kv, d_qk), dtype=torch.float32, device=dev)
-            d_sink_acc = torch.empty((parts, heads), dtype=torch.float32, device=dev)
+            dkv_acc = torch.zeros((s_kv, d_qk), dtype=torch.int64, device=dev)
+            dkv_scale = fixed_point_scale(q, kv, out, dout, softmax_scale)
+            d_sink_acc = torch.empty((d_sink_parts(s_q), heads), dtype=torch.float32, device=dev)
             d_sink = torch.empty((heads,), dtype=torch.float32, device=dev)
         else:
             dkv_acc = torch.zeros((s_kv, d_qk), dtype=torch.float32, device=dev)
-            d_sink_acc = None
+            dkv_scale = d_sink_acc = None
             d_sink = torch.zeros((heads,), dtype=torch.float32, device=dev)
         tensors = (q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, delta, lse_sink, dq, dkv,
-                   dkv_acc, d_sink_acc, d_sink)
+                   dkv_acc, dkv_scale, d_sink_acc, d_sink)
         scalars = {"softmax_scale": softmax_scale, "s_q": s_q, "s_kv": s_kv, "topk": topk_idxs.shape[1]}
         args: dict[str, int | float] = {}
         if self._cubin:  # cubin stages take every pointer by name
             args = {name: _ptr(t) for name, t in zip(self.TENSORS, tensors)
-                    if t is not None or name != "d_sink_acc"}
+                    if t is not None or name not in ("d_sink_acc", "dkv_scale")}
             args.update(scalars)
         stream = current_stream(dev)
         for kernel, names in self._stages:
@@ -218,24 +215,49 @@ class StagedBwd(BwdKernel):
         return dq, dkv, d_sink
 
 
-#: Heads per CTA of the deterministic main kernel (its shards come in groups of H / 64 blocks).
-_DET_BLOCK_H = 64
-_SM_COUNT: dict[int, int] = {}
+def d_sink_parts(s_q: int) -> int:
+    """Partial sums of ``d_sink`` a deterministic backward call folds in order: one per CTA of
+    the deterministic preprocess (16 query rows each, at most 1024). The order of every sum,
+    hence every bit of the result, depends on the inputs only."""
+    return max(1, min(1024, -(-s_q // 16)))
 
 
-def deterministic_split(sms: int, s_q: int, s_kv: int, heads: int, d_qk: int,
-                        workspace_bytes: int) -> tuple[int, int]:
-    """``(dkv shards, d_sink partial sums)`` of a deterministic backward call.
+#: Head dimension of V (``dout``, ``out``): the length of the ``dP`` and ``delta`` dot products.
+_DV = D_V
+#: Bits of headroom the fixed-point dkv keeps below int64's 63: partial sums stay below 2^61.
+_FIXED_BITS = 61
 
-    One fp32 shard per CTA of the main kernel: as many CTAs as the GPU has SMs (rounded down to
-    whole head-block groups), no more than the query rows need, and no more than
-    ``workspace_bytes`` of shards allow (at least one group). The order of every sum, hence
-    every bit of the result, depends on the inputs and this split only.
+
+def fixed_point_scale(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+                      softmax_scale: float) -> torch.Tensor:
+    """The deterministic backward's fixed-point scale: ``[2^k, 2^-k]`` fp32 on ``q``'s device,
+    computed there (no host sync). The main kernel adds ``rni(v * 2^k)`` as int64, the fold
+    multiplies the sums by ``2^-k``.
+
+    ``k`` is chosen from a bound ``B`` on every partial sum of dkv, so no sum can overflow:
+    per element, a (row, head, slot) adds ``dS q + P dO`` with ``0 <= P <= 1``, ``sum_slots P <=
+    1`` per (row, head), and ``|dS| <= P (|dP| + |delta|) scale <= P 512 max|dout| (max|kv| +
+    max|out|) scale``; over all rows and heads ``B = 2 s_q H (512 max|dout| (max|kv| + max|out|)
+    scale max|q| + max|dout|)`` (2x margin for rounding). ``2^k`` is the largest power of two
+    with ``B 2^k <= 2^61``: each value is rounded to ``2^-k`` (~``2^-61 B``), finer than fp32's
+    ``2^-24 |sum|`` for any sum above ``2^-37 B``. A non-finite input (or a bound beyond
+    ``2^181``, which fp32 products of such inputs would overflow anyway) leaves no safe scale: the
+    multiplier is then 1 and the inverse NaN, so dkv is NaN, as a fast call's would be.
     """
-    n_hb = -(-heads // _DET_BLOCK_H)
-    budget = workspace_bytes // (max(1, s_kv * d_qk * 4) * n_hb)
-    groups = max(1, min(sms // n_hb, s_q, budget))
-    return groups * n_hb, max(1, min(1024, -(-s_q // 16)))
+    maxes = torch.stack([_abs_max(t) for t in (q, kv, out, dout)]).double()
+    m_q, m_kv, m_out, m_dout = maxes.unbind()
+    s_q, heads = q.shape[0], q.shape[1]
+    bound = 2.0 * s_q * heads * (_DV * m_dout * (m_kv + m_out) * abs(softmax_scale) * m_q + m_dout)
+    exp = torch.ceil(torch.log2(bound.clamp_min(2.0 ** -100)))
+    k = torch.clamp(_FIXED_BITS - exp, max=120.0)
+    ok = torch.isfinite(bound) & (k >= -120.0)  # fp32 holds 2^k and 2^-k
+    k = torch.where(ok, k, torch.zeros_like(k))
+    mult = torch.exp2(k)
+    unit = torch.where(ok, torch.exp2(-k), torch.full_like(k, float("nan")))
+    return torch.stack([mult, unit]).float()
+
+
+_SM_COUNT: dict[int, int] = {}
 
 
 def _sm_count(device: torch.device) -> int:
@@ -244,6 +266,14 @@ def _sm_count(device: torch.device) -> int:
     if sms is None:
         sms = _SM_COUNT.setdefault(index, torch.cuda.get_device_properties(index).multi_processor_count)
     return sms
+
+
+def _abs_max(t: torch.Tensor) -> torch.Tensor:
+    """``max |t|`` as an fp32 scalar tensor (0 for an empty tensor; NaN if ``t`` holds one)."""
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=t.device)
+    lo, hi = torch.aminmax(t)
+    return torch.maximum(-lo, hi).float()
 
 
 class CubinBwd(StagedBwd):

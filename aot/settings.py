@@ -183,10 +183,6 @@ class Settings:
     #: The backward's default when a call does not say: bit-identical gradients for the same
     #: inputs (``deterministic=True``). ``DSA_AOT_DETERMINISTIC`` (default 0).
     deterministic: bool = False
-    #: Most bytes the deterministic backward's fp32 dkv shards may take (one per CTA of the main
-    #: kernel, ``s_kv x D_qk x 4`` bytes each); fewer shards than SMs when it caps them.
-    #: ``DSA_AOT_DETERMINISTIC_WORKSPACE`` (default 8G).
-    deterministic_workspace_bytes: int = 8 << 30
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -216,7 +212,6 @@ class Settings:
             signing_key=_path("DSA_AOT_SIGNING_KEY"),
             trusted_keys=_paths("DSA_AOT_TRUSTED_KEYS"),
             deterministic=_bool("DSA_AOT_DETERMINISTIC", False),
-            deterministic_workspace_bytes=_size("DSA_AOT_DETERMINISTIC_WORKSPACE", 8 << 30),
         )
 
 

@@ -15,10 +15,18 @@
 //   bulk_<W>       the tile staged in shared memory, then cp.reduce.async.bulk ... .add.f32 per
 //                  row segment of W columns (W * 4 bytes per bulk operation), two staging
 //                  buffers so one drains while the next is written
+//   u64_lines      integer adds into a uint64 buffer (fixed point: order-independent, so
+//                  bit-reproducible): red.global.add.u64, 16 lanes per 128-byte line, two rows
+//                  a warp instruction
+//   u64_halves     the same, 8 lanes per 64 bytes (two sectors), four rows a warp instruction
+//   u64_sectors    the same, 4 lanes per 32-byte sector, eight rows a warp instruction (the
+//                  layout a wgmma accumulator fragment gives without lane trades)
+//   u32_lines      red.global.add.u32 into a uint32 buffer, one 128-byte line a warp instruction
 //
 // Build: nvcc -O3 -arch=sm_90a -o l2_reduce_probe bench/l2_reduce_probe.cu
 // Run:   ./l2_reduce_probe [s_q=2048] [s_kv=8192] [topk=2048] [reps=10] [variant]
-// Prints one JSON object per variant: median ms, GB/s of fp32 added, max error.
+// Prints one JSON object per variant: median ms, GB/s added (of the accumulator type), G values
+// added per second, max error.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -95,6 +103,41 @@ __global__ void __launch_bounds__(THREADS) red_v4(float* __restrict__ dkv,
   }
 }
 
+// ---- integer adds (red.global.add.u64 / .u32) -------------------------------------------------
+
+// LANES_PER_ROW consecutive lanes add LANES_PER_ROW * 8 contiguous bytes of one row: 16 (a
+// 128-byte line, 2 rows an instruction), 8 (two sectors, 4 rows) or 4 (one sector, 8 rows)
+template <int LANES_PER_ROW>
+__global__ void __launch_bounds__(THREADS) red_u64(unsigned long long* __restrict__ dkv,
+                                                   const int* __restrict__ idx, int n_tasks) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  constexpr int ROWS_PER_WARP = 32 / LANES_PER_ROW;
+  for (int task = blockIdx.x; task < n_tasks; task += gridDim.x) {
+    const int* rows = idx + size_t(task) * ROWS;
+    for (int c = 0; c < D / LANES_PER_ROW; ++c) {
+      for (int rg = 0; rg < ROWS / (4 * ROWS_PER_WARP); ++rg) {
+        int r = (rg * 4 + warp) * ROWS_PER_WARP + lane / LANES_PER_ROW;
+        unsigned long long* p = dkv + size_t(rows[r]) * D + c * LANES_PER_ROW + lane % LANES_PER_ROW;
+        asm volatile("red.global.add.u64 [%0], %1;" :: "l"(p), "l"(1ull) : "memory");
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(THREADS) red_u32(unsigned* __restrict__ dkv,
+                                                   const int* __restrict__ idx, int n_tasks) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int task = blockIdx.x; task < n_tasks; task += gridDim.x) {
+    const int* rows = idx + size_t(task) * ROWS;
+    for (int c = 0; c < D / 32; ++c) {
+      for (int r = warp; r < ROWS; r += 4) {
+        unsigned* p = dkv + size_t(rows[r]) * D + c * 32 + lane;
+        asm volatile("red.global.add.u32 [%0], %1;" :: "l"(p), "r"(1u) : "memory");
+      }
+    }
+  }
+}
+
 // ---- cp.reduce.async.bulk from shared memory -------------------------------------------------
 
 __device__ __forceinline__ void bulk_add(float* dst, const float* src_smem, int bytes) {
@@ -134,10 +177,15 @@ __global__ void __launch_bounds__(THREADS) bulk(float* __restrict__ dkv,
 
 // ---- host ------------------------------------------------------------------------------------
 
+enum Elem { F32, U64, U32 };
+
 struct Variant {
   const char* name;
-  void (*launch)(float*, const int*, int, int, cudaStream_t, const unsigned short*);
+  void (*launch)(void*, const int*, int, int, cudaStream_t, const unsigned short*);
+  Elem elem = F32;
 };
+
+size_t elem_bytes(Elem e) { return e == U64 ? 8 : 4; }
 
 // lets `kernel` take `bytes` of dynamic shared memory (above the 48 KiB default)
 template <typename Kernel>
@@ -146,21 +194,32 @@ void allow_smem(Kernel kernel, size_t bytes) {
 }
 
 template <bool kLines, bool kGather>
-void launch_red(float* dkv, const int* idx, int n, int grid, cudaStream_t st,
+void launch_red(void* dkv, const int* idx, int n, int grid, cudaStream_t st,
                 const unsigned short* kv) {
   size_t smem = kGather ? ROWS * D * 2 : 0;
   static const bool once = (allow_smem(red_v4<kLines, kGather>, smem), true);  // outside the timed launches
   (void)once;
-  red_v4<kLines, kGather><<<grid, THREADS, smem, st>>>(dkv, idx, n, kv);
+  red_v4<kLines, kGather><<<grid, THREADS, smem, st>>>(static_cast<float*>(dkv), idx, n, kv);
 }
 
 template <int W, int RB>
-void launch_bulk(float* dkv, const int* idx, int n, int grid, cudaStream_t st,
+void launch_bulk(void* dkv, const int* idx, int n, int grid, cudaStream_t st,
                  const unsigned short*) {
   size_t smem = 2 * RB * W * sizeof(float);
   static const bool once = (allow_smem(bulk<W, RB>, smem), true);
   (void)once;
-  bulk<W, RB><<<grid, THREADS, smem, st>>>(dkv, idx, n);
+  bulk<W, RB><<<grid, THREADS, smem, st>>>(static_cast<float*>(dkv), idx, n);
+}
+
+template <int LANES_PER_ROW>
+void launch_u64(void* dkv, const int* idx, int n, int grid, cudaStream_t st,
+                const unsigned short*) {
+  red_u64<LANES_PER_ROW><<<grid, THREADS, 0, st>>>(static_cast<unsigned long long*>(dkv), idx, n);
+}
+
+void launch_u32(void* dkv, const int* idx, int n, int grid, cudaStream_t st,
+                const unsigned short*) {
+  red_u32<<<grid, THREADS, 0, st>>>(static_cast<unsigned*>(dkv), idx, n);
 }
 
 int main(int argc, char** argv) {
@@ -182,12 +241,12 @@ int main(int argc, char** argv) {
     }
   }
   int* d_idx;
-  float* d_kv;
+  void* d_kv;  // the accumulator: s_kv x D elements of the widest kind (8 bytes)
   unsigned short* d_kv_bf16;  // the gathered KV rows: contents never read back
   CHECK(cudaMalloc(&d_kv_bf16, size_t(s_kv) * D * 2));
   CHECK(cudaMemset(d_kv_bf16, 0, size_t(s_kv) * D * 2));
   CHECK(cudaMalloc(&d_idx, h_idx.size() * sizeof(int)));
-  CHECK(cudaMalloc(&d_kv, size_t(s_kv) * D * sizeof(float)));
+  CHECK(cudaMalloc(&d_kv, size_t(s_kv) * D * 8));
   CHECK(cudaMemcpy(d_idx, h_idx.data(), h_idx.size() * sizeof(int), cudaMemcpyHostToDevice));
   int sms;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -203,11 +262,14 @@ int main(int argc, char** argv) {
       {"gather+red", launch_red<true, true>},
       {"bulk_32", launch_bulk<32, 64>},    {"bulk_64", launch_bulk<64, 64>},
       {"bulk_192", launch_bulk<192, 32>},  {"bulk_576", launch_bulk<576, 16>},
+      {"u64_lines", launch_u64<16>, U64},  {"u64_halves", launch_u64<8>, U64},
+      {"u64_sectors", launch_u64<4>, U64},
+      {"u32_lines", launch_u32, U32},
   };
-  double bytes = double(n_tasks) * ROWS * D * sizeof(float);
+  double values = double(n_tasks) * ROWS * D;
   printf("{\"gpu\": \"%s\", \"sms\": %d, \"s_q\": %d, \"s_kv\": %d, \"topk\": %d}\n", prop.name,
          sms, s_q, s_kv, topk);
-  std::vector<float> h_kv(size_t(s_kv) * D);
+  std::vector<unsigned char> h_kv(size_t(s_kv) * D * 8);
   const char* only = argc > 5 ? argv[5] : nullptr;  // one variant (e.g. under a profiler)
   for (const Variant& v : variants) {
     if (only && std::string(only) != v.name) continue;
@@ -216,7 +278,7 @@ int main(int argc, char** argv) {
       std::vector<float> ms;
       double max_err = 0.0;
       for (int r = 0; r < reps + 1; ++r) {
-        CHECK(cudaMemsetAsync(d_kv, 0, size_t(s_kv) * D * sizeof(float), st));
+        CHECK(cudaMemsetAsync(d_kv, 0, size_t(s_kv) * D * elem_bytes(v.elem), st));
         CHECK(cudaEventRecord(e0, st));
         v.launch(d_kv, d_idx, n_tasks, grid, st, d_kv_bf16);
         CHECK(cudaEventRecord(e1, st));
@@ -226,18 +288,22 @@ int main(int argc, char** argv) {
         CHECK(cudaEventElapsedTime(&t, e0, e1));
         if (r > 0) ms.push_back(t);
         if (r == 0) {
-          CHECK(cudaMemcpy(h_kv.data(), d_kv, h_kv.size() * sizeof(float),
+          CHECK(cudaMemcpy(h_kv.data(), d_kv, size_t(s_kv) * D * elem_bytes(v.elem),
                            cudaMemcpyDeviceToHost));
-          for (int i = 0; i < s_kv; ++i)
-            for (int c = 0; c < D; ++c)
-              max_err = std::max(max_err, std::abs(double(h_kv[size_t(i) * D + c]) - count[i]));
+          for (size_t i = 0; i < size_t(s_kv) * D; ++i) {
+            double got = v.elem == U64 ? double(reinterpret_cast<unsigned long long*>(h_kv.data())[i])
+                       : v.elem == U32 ? double(reinterpret_cast<unsigned*>(h_kv.data())[i])
+                                       : double(reinterpret_cast<float*>(h_kv.data())[i]);
+            max_err = std::max(max_err, std::abs(got - count[i / D]));
+          }
         }
       }
       std::sort(ms.begin(), ms.end());
       double med = ms[ms.size() / 2];
       printf("{\"variant\": \"%s\", \"ctas_per_sm\": %d, \"ms\": %.4f, \"gb_per_s\": %.1f, "
-             "\"max_err\": %.1f}\n",
-             v.name, per_sm, med, bytes / med / 1e6, max_err);
+             "\"gvalues_per_s\": %.1f, \"max_err\": %.1f}\n",
+             v.name, per_sm, med, values * elem_bytes(v.elem) / med / 1e6, values / med / 1e6,
+             max_err);
       fflush(stdout);
     }
   }

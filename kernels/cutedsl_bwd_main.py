@@ -115,6 +115,16 @@ def opaque_i64(value: Int64, *, loc=None, ip=None) -> Int64:
                                  loc=loc, ip=ip))
 
 
+@cutlass.dsl_user_op
+def to_fixed(value: Float32, *, loc=None, ip=None) -> Int64:
+    """``value`` rounded to the nearest integer, as int64 (``cvt.rni.s64.f32``; out of range
+    saturates, NaN gives 0)."""
+    return Int64(llvm.inline_asm(Int64.mlir_type, [Float32(value).ir_value(loc=loc, ip=ip)],
+                                 "cvt.rni.s64.f32 $0, $1;", "=l,f", has_side_effects=False,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                                 loc=loc, ip=ip))
+
+
 def wg_gemm(mma: cute.TiledMma, acc: cute.Tensor, steps: list, accumulate: bool) -> None:
     """Issue ``acc (+)= sum_k A_k B_k`` as one ``cute.gemm`` per ``(A_k, B_k)`` of ``steps`` (no
     fence, no commit). ``accumulate=False``: the first step overwrites ``acc`` (wgmma scale-d 0),
@@ -171,16 +181,17 @@ class SparseMlaBwdMain:
     """The backward main kernel for one ``(d_qk, heads, layout)``."""
 
     def __init__(self, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
-                 scatter: bool = True, impl: str = "mma", deterministic: bool = False) -> None:
+                 scatter: bool = True, impl: str = "mma") -> None:
         check_params(d_qk, heads, layout)
         if atomic_width not in ATOMIC_WIDTHS:
             raise ValueError(f"atomic_width={atomic_width!r}: use one of {ATOMIC_WIDTHS}")
         if impl not in IMPLS:
             raise ValueError(f"impl={impl!r}: use one of {IMPLS}")
-        if deterministic and impl != "wgmma":
-            raise ValueError(f"deterministic=True is implemented by impl='wgmma' (sm_90a), not {impl!r}")
-        #: per-CTA dkv shards, rows in a fixed order, duplicate slots added in slot order
-        self.deterministic = deterministic
+        #: fixed-point dkv (int64 adds, order-free: the deterministic mode); set by the flavours
+        #: that have it (:mod:`.cutedsl_bwd_ws`, :mod:`.cutedsl_bwd_slot_major`)
+        self.deterministic = False
+        #: deterministic mode: whole 128-byte lines per atomic instruction (:meth:`scatter_fixed`)
+        self.fixed_full_lines = False
         self.impl = impl
         self.d_qk = d_qk
         self.heads = heads
@@ -497,8 +508,6 @@ class SparseMlaBwdMain:
                                                           cute.cosize(s_p_layout.outer)], 1024]
             s_idx: cute.struct.Align[cute.struct.MemRange[Int32, 2 * BLOCK_N], 16]
             s_valid: cute.struct.Align[cute.struct.MemRange[Int32, 2 * BLOCK_N], 16]
-            s_rank: cute.struct.Align[cute.struct.MemRange[Int32, 2 * BLOCK_N], 16]
-            s_max_rank: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]
             s_lse: cute.struct.Align[cute.struct.MemRange[Float32, BLOCK_H], 16]
             s_delta: cute.struct.Align[cute.struct.MemRange[Float32, BLOCK_H], 16]
 
@@ -520,15 +529,12 @@ class SparseMlaBwdMain:
             Float32, (1, 2, 1), (BLOCK_N, WG_CHUNK // 2))
         s_q_rows = cute.size(q, mode=[0])
         n_hb = (self.heads + BLOCK_H - 1) // BLOCK_H
-        groups = s_q_rows  # deterministic: CTAs per head block = shards per head block
-        if cutlass.const_expr(self.deterministic):
-            groups = cute.size(dkv_acc, mode=[0]) // n_hb
         if s_q_rows > 0:
             self.kernel_wgmma(q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc,
                               softmax_scale, s_q_layout, s_do_layout, s_kv_layout, s_p_layout,
                               s_qt_layout, s_dot_layout, s_kt_layout, s_pt_layout, gmem_copy,
                               mma_s, mma_dq, mma_kv, SharedStorage).launch(
-                grid=[groups, n_hb, 1],
+                grid=[s_q_rows, n_hb, 1],
                 block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
     @cute.kernel
@@ -544,7 +550,6 @@ class SparseMlaBwdMain:
                      SharedStorage: cutlass.Constexpr) -> None:
         d = self.d_qk
         heads = self.heads
-        det = self.deterministic
         n_chunks = (d + WG_CHUNK - 1) // WG_CHUNK
         d_pad = n_chunks * WG_CHUNK
         n_v_chunks = D_V // WG_CHUNK
@@ -552,26 +557,12 @@ class SparseMlaBwdMain:
         # field per k-step: the first overwrites the accumulator (wgmma scale-d 0, no zero-fill)
         mma_dq.set(warpgroup.Field.ACCUMULATE, True)
         tidx, _, _ = cute.arch.thread_idx()
-        t_first, hb, _ = cute.arch.block_idx()
+        t, hb, _ = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // 128)
         lane = cute.arch.lane_idx()
         s_kv = cute.size(m_kv, mode=[0])
         topk = cute.size(m_idx, mode=[1])
         scale_log2 = softmax_scale * Float32(LOG2E)
-        # fast: this CTA's query row, dkv_acc [s_kv, D]; deterministic: query rows t_first,
-        # t_first + groups, ... in order, all added into this CTA's own shard of dkv_acc
-        # [groups * n_hb, s_kv, D] (one writer per shard)
-        t_stop = t_first + 1
-        t_step = Int32(1)
-        dkv_base = m_dkv.iterator
-        dkv_row_stride = m_dkv.stride[0]
-        if cutlass.const_expr(det):
-            n_hb = (heads + BLOCK_H - 1) // BLOCK_H
-            t_stop = cute.size(m_q, mode=[0])
-            t_step = cute.size(m_dkv, mode=[0]) // n_hb
-            dkv_base = m_dkv.iterator + Int64(t_first * n_hb + hb) * m_dkv.stride[0]
-            dkv_row_stride = m_dkv.stride[1]
-
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         s_q = storage.s_q.get_tensor(s_q_layout.outer, swizzle=s_q_layout.inner)
@@ -586,8 +577,6 @@ class SparseMlaBwdMain:
         s_dst = cute.make_tensor(s_ds.iterator, s_pt_layout.outer)    # (n, h)
         s_idx = storage.s_idx.get_tensor(cute.make_layout(2 * BLOCK_N))
         s_valid = storage.s_valid.get_tensor(cute.make_layout(2 * BLOCK_N))
-        s_rank = storage.s_rank.get_tensor(cute.make_layout(2 * BLOCK_N))
-        s_max_rank = storage.s_max_rank.get_tensor(cute.make_layout(4))
         s_lse = storage.s_lse.get_tensor(cute.make_layout(BLOCK_H))
         s_delta = storage.s_delta.get_tensor(cute.make_layout(BLOCK_H))
         thr_copy = gmem_copy.get_slice(tidx)
@@ -629,130 +618,89 @@ class SparseMlaBwdMain:
         t_s_ds_c = thr_store_c.partition_D(s_ds)
         c_dq = thr_dq.partition_C(cute.make_identity_tensor((BLOCK_H, d_pad)))
 
-        for t in cutlass.range(t_first, t_stop, t_step, unroll=1):
-            n_slots = topk
-            if cutlass.const_expr(self.compact):
-                n_slots = cutlass.max(cutlass.min(m_len[t], topk), Int32(0))
-            n_blocks = (n_slots + BLOCK_N - 1) // BLOCK_N
-            if cutlass.const_expr(det):
-                cute.arch.barrier()  # the previous row's MMAs no longer read q / dout / lse
+        n_slots = topk
+        if cutlass.const_expr(self.compact):
+            n_slots = cutlass.max(cutlass.min(m_len[t], topk), Int32(0))
+        n_blocks = (n_slots + BLOCK_N - 1) // BLOCK_N
 
-            # ---- q, dout -> shared (cp.async), lse/delta -> shared ----------------------------
-            self.load_row(t, hb, m_q, m_do, m_lse, m_delta, s_q, s_do, s_lse, s_delta, thr_copy,
-                          gmem_copy, row_in_pass, tidx)
-            acc_dq.fill(0.0)
+        # ---- q, dout -> shared (cp.async), lse/delta -> shared ----------------------------
+        self.load_row(t, hb, m_q, m_do, m_lse, m_delta, s_q, s_do, s_lse, s_delta, thr_copy,
+                      gmem_copy, row_in_pass, tidx)
+        acc_dq.fill(0.0)
 
-            # ---- prologue: block 0 in flight -----------------------------------------------
-            if n_blocks > 0:
-                first = self.load_indices(0, t, m_idx, n_slots, row_in_pass)
-                self.gather(first, 0, s_kv, t_g_kv, kv_row_stride, t_s_kv, s_idx, s_valid,
-                            gmem_copy, row_in_pass, tidx)
-            cute.arch.cp_async_commit_group()
+        # ---- prologue: block 0 in flight -----------------------------------------------
+        if n_blocks > 0:
+            first = self.load_indices(0, t, m_idx, n_slots, row_in_pass)
+            self.gather(first, 0, s_kv, t_g_kv, kv_row_stride, t_s_kv, s_idx, s_valid,
+                        gmem_copy, row_in_pass, tidx)
+        cute.arch.cp_async_commit_group()
 
-            for b in cutlass.range(n_blocks, unroll=1):
-                buf = (b % 2) * BLOCK_N
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.fence_view_async_shared()  # cp.async / zero-fill writes -> wgmma reads
-                cute.arch.barrier()
-                upcoming = self.load_indices(b + 1, t, m_idx, n_slots, row_in_pass)
-                if cutlass.const_expr(det):
-                    self.rank_duplicates(buf, s_idx, s_valid, s_rank, s_max_rank, tidx, lane)
-
-                # S = Q K^T and dP = dO V^T (this warpgroup's 32 slots)
-                acc_s, acc_dp = score_gemms(mma_s, acc_shape, r_q, r_do, r_k, d)
-
-                acc_s_rc = wg_rows_cols(acc_s)
-                acc_dp_rc = wg_rows_cols(acc_dp)
-                col_ok = [s_valid[buf + coords[0, j][1]] for j in range(cols_per_thread)]
-                for r in cutlass.range_constexpr(rows_per_thread):
-                    row = coords[r, 0][0]
-                    lse_r = s_lse[row]
-                    delta_r = s_delta[row]
-                    for j in cutlass.range_constexpr(cols_per_thread):
-                        x = acc_s_rc[r, j] * scale_log2 - lse_r
-                        if col_ok[j] == 0:
-                            x = Float32(-_INF)
-                        p = cute.math.exp2(x, fastmath=True)
-                        acc_s_rc[r, j] = p
-                        acc_dp_rc[r, j] = p * (acc_dp_rc[r, j] - delta_r) * softmax_scale
-                r_p16 = cute.make_fragment_like(acc_s, BFloat16)
-                r_p16.store(acc_s.load().to(BFloat16))
-                r_ds16 = cute.make_fragment_like(acc_dp, BFloat16)
-                r_ds16.store(acc_dp.load().to(BFloat16))
-                cute.copy(store_c, thr_store_c.retile(r_p16), t_s_p_c)
-                cute.copy(store_c, thr_store_c.retile(r_ds16), t_s_ds_c)
-                cute.arch.fence_view_async_shared()  # P / dS stores -> wgmma reads
-                cute.arch.barrier()
-
-                # dQ += dS K, then the first dKV chunk; the next gather waits for dQ only
-                warpgroup.fence()
-                for k in cutlass.range_constexpr(BLOCK_N // 16):
-                    cute.gemm(mma_dq, acc_dq, r_ds[None, None, k], r_kt[None, None, k], acc_dq)
-                warpgroup.commit_group()
-                slots = self.dkv_slots(buf, kv_coords, lane)
-                row_ok = [s_valid[s] for s in slots]
-                row_ptr = [dkv_base + opaque_i64(Int64(s_idx[s]) * dkv_row_stride)
-                           for s in slots]
-                ranks = []
-                max_rank = Int32(0)
-                if cutlass.const_expr(det):  # phase 0 adds each slot that repeats no earlier one
-                    ranks = [s_rank[s] for s in slots]
-                    row_ok = [self.flag(ok, rk, Int32(0)) for ok, rk in zip(row_ok, ranks)]
-                    half = (b % 2) * 2
-                    max_rank = cutlass.max(s_max_rank[half], s_max_rank[half + 1])
-                acc_kv = [cute.make_rmem_tensor(kv_shape, Float32) for _ in range(2)]
-                self.dkv_chunks(mma_kv, acc_kv, r_dst, r_pt, r_qt, r_dot, BLOCK_H // 16, WG_CHUNK,
-                                kv_coords, row_ok, row_ptr, ranks, max_rank, lane,
-                                d if d < d_pad else None, b + 1 < n_blocks,
-                                [upcoming, BLOCK_N - buf, s_kv, t_g_kv, kv_row_stride, t_s_kv,
-                                 s_idx, s_valid, gmem_copy, row_in_pass, tidx])
-
-            # ---- epilogue: dq in bf16 --------------------------------------------------------
+        for b in cutlass.range(n_blocks, unroll=1):
+            buf = (b % 2) * BLOCK_N
             cute.arch.cp_async_wait_group(0)
-            g_dq = cute.local_tile(m_dq[t, None, None], (BLOCK_H, d_pad), (hb, 0))
-            t_g = thr_dq.partition_C(g_dq)
-            r_o = cute.make_fragment_like(acc_dq, BFloat16)
-            r_o.store(acc_dq.load().to(BFloat16))
-            for i in cutlass.range_constexpr(cute.size(r_o)):
-                if cutlass.const_expr(heads >= BLOCK_H and d == d_pad):
+            cute.arch.fence_view_async_shared()  # cp.async / zero-fill writes -> wgmma reads
+            cute.arch.barrier()
+            upcoming = self.load_indices(b + 1, t, m_idx, n_slots, row_in_pass)
+
+            # S = Q K^T and dP = dO V^T (this warpgroup's 32 slots)
+            acc_s, acc_dp = score_gemms(mma_s, acc_shape, r_q, r_do, r_k, d)
+
+            acc_s_rc = wg_rows_cols(acc_s)
+            acc_dp_rc = wg_rows_cols(acc_dp)
+            col_ok = [s_valid[buf + coords[0, j][1]] for j in range(cols_per_thread)]
+            for r in cutlass.range_constexpr(rows_per_thread):
+                row = coords[r, 0][0]
+                lse_r = s_lse[row]
+                delta_r = s_delta[row]
+                for j in cutlass.range_constexpr(cols_per_thread):
+                    x = acc_s_rc[r, j] * scale_log2 - lse_r
+                    if col_ok[j] == 0:
+                        x = Float32(-_INF)
+                    p = cute.math.exp2(x, fastmath=True)
+                    acc_s_rc[r, j] = p
+                    acc_dp_rc[r, j] = p * (acc_dp_rc[r, j] - delta_r) * softmax_scale
+            r_p16 = cute.make_fragment_like(acc_s, BFloat16)
+            r_p16.store(acc_s.load().to(BFloat16))
+            r_ds16 = cute.make_fragment_like(acc_dp, BFloat16)
+            r_ds16.store(acc_dp.load().to(BFloat16))
+            cute.copy(store_c, thr_store_c.retile(r_p16), t_s_p_c)
+            cute.copy(store_c, thr_store_c.retile(r_ds16), t_s_ds_c)
+            cute.arch.fence_view_async_shared()  # P / dS stores -> wgmma reads
+            cute.arch.barrier()
+
+            # dQ += dS K, then the first dKV chunk; the next gather waits for dQ only
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(BLOCK_N // 16):
+                cute.gemm(mma_dq, acc_dq, r_ds[None, None, k], r_kt[None, None, k], acc_dq)
+            warpgroup.commit_group()
+            slots = self.dkv_slots(buf, kv_coords, lane)
+            row_ok = [s_valid[s] for s in slots]
+            row_ptr = [m_dkv.iterator + opaque_i64(Int64(s_idx[s]) * m_dkv.stride[0])
+                       for s in slots]
+            acc_kv = [cute.make_rmem_tensor(kv_shape, Float32) for _ in range(2)]
+            self.dkv_chunks(mma_kv, acc_kv, r_dst, r_pt, r_qt, r_dot, BLOCK_H // 16, WG_CHUNK,
+                            kv_coords, row_ok, row_ptr, None, lane,
+                            d if d < d_pad else None, b + 1 < n_blocks,
+                            [upcoming, BLOCK_N - buf, s_kv, t_g_kv, kv_row_stride, t_s_kv,
+                             s_idx, s_valid, gmem_copy, row_in_pass, tidx])
+
+        # ---- epilogue: dq in bf16 --------------------------------------------------------
+        cute.arch.cp_async_wait_group(0)
+        g_dq = cute.local_tile(m_dq[t, None, None], (BLOCK_H, d_pad), (hb, 0))
+        t_g = thr_dq.partition_C(g_dq)
+        r_o = cute.make_fragment_like(acc_dq, BFloat16)
+        r_o.store(acc_dq.load().to(BFloat16))
+        for i in cutlass.range_constexpr(cute.size(r_o)):
+            if cutlass.const_expr(heads >= BLOCK_H and d == d_pad):
+                t_g[i] = r_o[i]
+            else:
+                if (c_dq[i][0] < heads) & (c_dq[i][1] < d):
                     t_g[i] = r_o[i]
-                else:
-                    if (c_dq[i][0] < heads) & (c_dq[i][1] < d):
-                        t_g[i] = r_o[i]
-
-    @cute.jit
-    def flag(self, ok: Int32, rank: Int32, phase: Int32) -> Int32:
-        """1 where a valid slot's duplicate rank is ``phase``, else 0."""
-        out = Int32(0)
-        if (ok != 0) & (rank == phase):
-            out = Int32(1)
-        return out
-
-    @cute.jit
-    def rank_duplicates(self, buf: Int32, s_idx: cute.Tensor, s_valid: cute.Tensor,
-                        s_rank: cute.Tensor, s_max_rank: cute.Tensor, tidx: Int32,
-                        lane: Int32) -> None:
-        """Deterministic mode: the rank of each valid slot of the block at ``buf`` among the
-        earlier valid slots with the same index (0 for the first), and the block's largest rank
-        (one value per warp of the first two). Read after the next CTA barrier."""
-        if tidx < BLOCK_N:
-            mine = s_idx[buf + tidx]
-            rank = Int32(0)
-            for j in cutlass.range(tidx, unroll=1):
-                if (s_valid[buf + j] != 0) & (s_idx[buf + j] == mine):
-                    rank = rank + 1
-            if s_valid[buf + tidx] == 0:
-                rank = Int32(0)
-            s_rank[buf + tidx] = rank
-            for offset in (16, 8, 4, 2, 1):
-                rank = cutlass.max(rank, cute.arch.shuffle_sync_bfly(rank, offset=offset))
-            if lane == 0:
-                s_max_rank[(buf // BLOCK_N) * 2 + tidx // 32] = rank
 
     @cute.jit
     def dkv_chunks(self, mma_kv: cute.TiledMma, acc_kv: list, ds_a: cute.Tensor, p_a: cute.Tensor,
                    q_b: list, dout_b: list, k_steps: cutlass.Constexpr, chunk: cutlass.Constexpr,
-                   coords: cute.Tensor, row_ok: list, row_ptr: list, ranks: list, max_rank: Int32,
+                   coords: cute.Tensor, row_ok: list, row_ptr: list, mult: Float32 | None,
                    lane: Int32, limit: cutlass.Constexpr, more: cutlass.Boolean,
                    gather_next: list) -> None:
         """One block's ``dKV = dS^T Q + P^T dO`` column chunks (``chunk`` columns each, ``len(q_b)``
@@ -760,7 +708,8 @@ class SparseMlaBwdMain:
         accumulators of ``acc_kv`` so that chunk ``c``'s MMAs overlap chunk ``c - 1``'s atomics.
         The dQ wgmmas were committed just before: once they are done (the first chunk's wait) the
         KV tile is free, and the next block's gather (:meth:`gather` with ``gather_next``) is
-        issued when ``more``. The last chunk's columns from ``limit`` on are not stored."""
+        issued when ``more``. The last chunk's columns from ``limit`` on are not stored.
+        ``mult``: the deterministic mode's fixed-point multiplier (None: fp32 atomics)."""
         n_chunks = len(q_b)
         for c in cutlass.range_constexpr(n_chunks):
             acc = acc_kv[c % 2]
@@ -777,24 +726,11 @@ class SparseMlaBwdMain:
                     self.gather(*gather_next)
                 cute.arch.cp_async_commit_group()
             else:
-                self.scatter_ordered(wg_rows_cols(acc_kv[(c - 1) % 2]), coords, row_ok, row_ptr,
-                                     ranks, max_rank, (c - 1) * chunk, lane)
+                self.scatter_chunk(wg_rows_cols(acc_kv[(c - 1) % 2]), coords, row_ok, row_ptr,
+                                   (c - 1) * chunk, lane, mult=mult)
         warpgroup.wait_group(0)
-        self.scatter_ordered(wg_rows_cols(acc_kv[(n_chunks - 1) % 2]), coords, row_ok, row_ptr,
-                             ranks, max_rank, (n_chunks - 1) * chunk, lane, limit)
-
-    @cute.jit
-    def scatter_ordered(self, acc: cute.Tensor, coords: cute.Tensor, row_ok: list,
-                        row_ptr: list, ranks: list, max_rank: Int32, col0: Int32, lane: Int32,
-                        limit: cutlass.Constexpr = None) -> None:
-        """:meth:`scatter_chunk`; in deterministic mode then once more per duplicate rank, each
-        pass after a CTA barrier, so the adds into one address keep the slots' order."""
-        self.scatter_chunk(acc, coords, row_ok, row_ptr, col0, lane, limit)
-        if cutlass.const_expr(self.deterministic):
-            for phase in cutlass.range(1, max_rank + 1, unroll=1):
-                cute.arch.barrier()
-                again = [self.flag(Int32(1), rk, phase) for rk in ranks]
-                self.scatter_chunk(acc, coords, again, row_ptr, col0, lane, limit)
+        self.scatter_chunk(wg_rows_cols(acc_kv[(n_chunks - 1) % 2]), coords, row_ok, row_ptr,
+                           (n_chunks - 1) * chunk, lane, limit, mult)
 
     def dkv_slots(self, base: Int32, coords: cute.Tensor, lane: Int32) -> list:
         """The slots (``base`` + accumulator row) whose ``dkv_acc`` rows this thread's
@@ -815,7 +751,8 @@ class SparseMlaBwdMain:
 
     @cute.jit
     def scatter_chunk(self, acc: cute.Tensor, coords: cute.Tensor, row_ok: list, row_ptr: list,
-                      col0: Int32, lane: Int32, limit: cutlass.Constexpr = None) -> None:
+                      col0: Int32, lane: Int32, limit: cutlass.Constexpr = None,
+                      mult: Float32 | None = None) -> None:
         """Add one ``(64 slots, N columns)`` dKV accumulator to ``dkv_acc`` at valid slots (and
         columns below ``limit``, when given), in the interleaved column order of
         :func:`~dsa_aot.kernels.dkv_interleave.dkv_acc_column`; ``row_ok`` / ``row_ptr`` are
@@ -829,6 +766,8 @@ class SparseMlaBwdMain:
         flavour (each warp owns 16 of every 32 columns) adds value pairs with ``.v2`` atomics
         for ``atomic_width`` 2 or 4; ``atomic_width=1`` adds single values.
 
+        Deterministic mode (``mult`` given, ``dkv_acc`` int64): :meth:`scatter_fixed`.
+
         ``scatter=False`` keeps every instruction but the atomics, behind a run-time test that
         never passes (the dKV GEMMs stay live: a timing ablation of the atomics alone).
         """
@@ -836,7 +775,9 @@ class SparseMlaBwdMain:
         cols = cute.size(acc, mode=[1])
         if cutlass.const_expr(not self.scatter):
             row_ok = [ok // 2 for ok in row_ok]  # the flags are 0 or 1 (the compiler can't tell)
-        if cutlass.const_expr(self.atomic_width == 4 and self.impl != "mma"):
+        if cutlass.const_expr(mult is not None):
+            self.scatter_fixed(acc, coords, row_ok, row_ptr, col0, lane, limit, mult)
+        elif cutlass.const_expr(self.atomic_width == 4 and self.impl != "mma"):
             upper = (lane // 4) % 2
             quad_col = 4 * (lane % 4)
             own = cute.make_rmem_tensor(4, Float32)
@@ -884,6 +825,76 @@ class SparseMlaBwdMain:
                             cute.arch.atomic_add(dst.llvm_ptr, acc[r, j])
                         elif col < limit:
                             cute.arch.atomic_add(dst.llvm_ptr, acc[r, j])
+
+    @cute.jit
+    def scatter_fixed(self, acc: cute.Tensor, coords: cute.Tensor, row_ok: list, row_ptr: list,
+                      col0: Int32, lane: Int32, limit: cutlass.Constexpr, mult: Float32) -> None:
+        """:meth:`scatter_chunk` of the deterministic mode: each value ``v`` added to an int64
+        ``dkv_acc`` as the integer ``rni(v * mult)`` (``red.global.add.u64``; integer adds give
+        the same sum in any order).
+
+        The lane trades of the 4-wide fp32 path (``lane ^ 4``) leave 8 lanes with 4 values each
+        of one row per 32-column group. Value ``i`` of 16-byte slot ``s`` lands at ``16 (i % 2) +
+        8 (i // 2) + s`` of the group (:func:`~dsa_aot.kernels.dkv_interleave.dkv_fixed_column`),
+        so the 8 lanes' values ``i`` are 64 contiguous bytes: one instruction per ``i`` adds 64
+        bytes of each of four rows. With :attr:`fixed_full_lines` a second trade with the
+        neighbouring quad pair (``lane ^ 8``: half of the values, and the pair's row pointers
+        and flags) spreads each row over 16 lanes, and every instruction adds two whole 128-byte
+        lines (the L2 adds 22% faster, ``bench/results/h200_l2_reduce_probe.md``) for 20
+        more shuffles and selects per row group: the slot-major kernel gains, the
+        warpgroups-by-role kernel's dKV warpgroup (at 255 registers) loses."""
+        rows = cute.size(acc, mode=[0])
+        cols = cute.size(acc, mode=[1])
+        upper = (lane // 4) % 2
+        pair = (lane // 8) % 2
+        own = cute.make_rmem_tensor(4, Float32)
+        got = cute.make_rmem_tensor(4, Float32)
+        vals = cute.make_rmem_tensor(4, Float32)
+        full = self.fixed_full_lines
+        addr = []  # full lines, per fragment row and side: (this pair's row, the other pair's)
+        flag = []
+        if cutlass.const_expr(full):
+            for n in cutlass.range_constexpr(2 * rows):
+                mine = row_ptr[n].toint()
+                addr.append((mine, cute.arch.shuffle_sync_bfly(mine, offset=8)))
+                flag.append((row_ok[n], cute.arch.shuffle_sync_bfly(row_ok[n], offset=8)))
+        for r in cutlass.range_constexpr(rows):
+            for g in cutlass.range_constexpr(cols // 8):
+                for i in cutlass.range_constexpr(4):  # blocks 4g, 4g+1 kept; 4g+2, 4g+3 traded
+                    own[i] = acc[r, 8 * g + i]
+                    got[i] = cute.arch.shuffle_sync_bfly(acc[r, 8 * g + 4 + i], offset=4)
+                group = col0 + coords[r, 8 * g][1] - 2 * (lane % 4)
+                for side in cutlass.range_constexpr(2):
+                    for i in cutlass.range_constexpr(4):
+                        vals[i] = own[i] if upper == side else got[i]
+                    slot = lane % 4 + 4 * (upper ^ side)
+                    if cutlass.const_expr(not full):
+                        ok = row_ok[2 * r + side] != 0
+                        if cutlass.const_expr(limit is not None):  # whole groups are padding
+                            ok = ok & (group < limit)
+                        if ok:
+                            for i in cutlass.range_constexpr(4):
+                                pos = group + 16 * (i % 2) + 8 * (i // 2) + slot
+                                cute.arch.red((row_ptr[2 * r + side] + pos).llvm_ptr,
+                                              to_fixed(vals[i] * mult), op="add", dtype="u64",
+                                              sem="relaxed", scope="gpu")
+                        continue
+                    swap = [cute.arch.shuffle_sync_bfly(vals[2 + k], offset=8) for k in range(2)]
+                    base_mine, base_other = addr[2 * r + side]
+                    ok_mine, ok_other = flag[2 * r + side]
+                    for w in cutlass.range_constexpr(2):  # the row of pair w
+                        for k in cutlass.range_constexpr(2):  # its line k
+                            val = vals[k] if pair == w else swap[k]
+                            base = base_mine if pair == w else base_other
+                            ok = (ok_mine if pair == w else ok_other) != 0
+                            if cutlass.const_expr(limit is not None):  # whole groups are padding
+                                ok = ok & (group < limit)
+                            pos = group + 16 * k + 8 * (pair ^ w) + slot
+                            if ok:
+                                dst = cute.make_ptr(Int64, base + Int64(pos) * 8,
+                                                    cute.AddressSpace.gmem)
+                                cute.arch.red(dst.llvm_ptr, to_fixed(val * mult), op="add",
+                                              dtype="u64", sem="relaxed", scope="gpu")
 
     @cute.jit
     def load_row(self, t: Int32, hb: Int32, m_q: cute.Tensor, m_do: cute.Tensor, m_lse: cute.Tensor,
@@ -977,6 +988,33 @@ class SparseMlaBwdMainNoncompact(SparseMlaBwdMain):
                     softmax_scale, stream)
 
 
+class DeterministicCompactEntry:
+    """Entry point of the deterministic mode, compact layout: ``dkv_acc`` [s_kv, D] int64 and
+    ``dkv_scale`` [2] fp32 (the fixed-point multiplier and its inverse) after ``dq``. Mixed into
+    a flavour that has the mode (its ``launch`` takes ``dkv_scale``)."""
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, kv: cute.Tensor, dout: cute.Tensor,
+                 topk_idxs: cute.Tensor, topk_length: cute.Tensor, lse_sink: cute.Tensor,
+                 delta: cute.Tensor, dq: cute.Tensor, dkv_acc: cute.Tensor,
+                 dkv_scale: cute.Tensor, softmax_scale: Float32, stream: cuda.CUstream) -> None:
+        self.launch(q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc,
+                    softmax_scale, stream, dkv_scale)
+
+
+class DeterministicNoncompactEntry:
+    """Entry point of the deterministic mode, noncompact layout (see
+    :class:`DeterministicCompactEntry`)."""
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, kv: cute.Tensor, dout: cute.Tensor,
+                 topk_idxs: cute.Tensor, lse_sink: cute.Tensor, delta: cute.Tensor,
+                 dq: cute.Tensor, dkv_acc: cute.Tensor, dkv_scale: cute.Tensor,
+                 softmax_scale: Float32, stream: cuda.CUstream) -> None:
+        self.launch(q, kv, dout, topk_idxs, topk_idxs, lse_sink, delta, dq, dkv_acc,
+                    softmax_scale, stream, dkv_scale)
+
+
 def fake_arguments(d_qk: int, heads: int, layout: str, deterministic: bool = False,
                    ) -> dict[str, object]:
     """Dynamic-shape stand-ins for every argument, in call order.
@@ -985,6 +1023,7 @@ def fake_arguments(d_qk: int, heads: int, layout: str, deterministic: bool = Fal
     dim of every tensor is contiguous; bf16 row/head strides are run-time multiples of 8
     elements (16-byte aligned rows for ``cp.async``), the ``dkv_acc`` row stride a multiple of 4
     (16-byte aligned rows for the vector atomics), other strides any run-time value.
+    ``deterministic``: ``dkv_acc`` is int64 (fixed point) and ``dkv_scale`` [2] fp32 follows it.
     """
     check_params(d_qk, heads, layout)
     s_q, s_kv, topk = run_time_sizes()
@@ -1002,11 +1041,13 @@ def fake_arguments(d_qk: int, heads: int, layout: str, deterministic: bool = Fal
         "lse_sink": fake(Float32, (s_q, heads), (cute.sym_int64(), 1), 4),
         "delta": fake(Float32, (s_q, heads), (cute.sym_int64(), 1), 4),
         "dq": fake(BFloat16, (s_q, heads, d_qk), (vec_stride(), vec_stride(), 1), 16),
-        # 16-byte aligned rows for the 4-wide atomics; deterministic: [shards, s_kv, d_qk]
-        "dkv_acc": (fake(Float32, (cute.sym_int32(symbol="shards"), s_kv, d_qk),
-                         (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), 1), 16)
-                    if deterministic else
-                    fake(Float32, (s_kv, d_qk), (cute.sym_int64(divisibility=4), 1), 16)),
+        # 16-byte aligned rows for the 4-wide atomics (deterministic: 32-byte, int64 values)
+        "dkv_acc": fake(Int64 if deterministic else Float32, (s_kv, d_qk),
+                        (cute.sym_int64(divisibility=4), 1), 32 if deterministic else 16),
+    }
+    if deterministic:
+        args["dkv_scale"] = fake(Float32, (2,), (1,), 4)
+    args |= {
         "softmax_scale": Float32(1.0),
         "stream": cuda.CUstream(0),
     }
@@ -1029,15 +1070,18 @@ def compile_bwd_main(arch: str, d_qk: int, heads: int, layout: str, atomic_width
                          "impl='wgmma_ws' dsa_aot.kernels.cutedsl_bwd_ws.compile_bwd_ws")
     if impl == "wgmma" and arch != "sm_90a":
         raise ValueError(f"impl='wgmma' needs sm_90a, not {arch}; use impl='mma'")
-    fakes = fake_arguments(d_qk, heads, layout, deterministic)
+    if deterministic:
+        raise ValueError(f"deterministic=True: impl={impl!r} has no deterministic mode; "
+                         "impl='wgmma_ws' (H64/H128) and 'wgmma_slot_major' (H16/H32) have")
+    fakes = fake_arguments(d_qk, heads, layout)
     cls = SparseMlaBwdMainCompact if layout == "compact" else SparseMlaBwdMainNoncompact
-    kernel = cls(d_qk, heads, layout, atomic_width=atomic_width, scatter=scatter, impl=impl,
-                 deterministic=deterministic)
+    kernel = cls(d_qk, heads, layout, atomic_width=atomic_width, scatter=scatter, impl=impl)
     compiled = cute.compile(kernel, *fakes.values(),
                             options=f"--gpu-arch {arch} {extra_options}".strip())
     return compiled, fakes
 
 
-__all__ = ["SparseMlaBwdMain", "SparseMlaBwdMainCompact", "SparseMlaBwdMainNoncompact",
+__all__ = ["DeterministicCompactEntry", "DeterministicNoncompactEntry", "SparseMlaBwdMain",
+           "SparseMlaBwdMainCompact", "SparseMlaBwdMainNoncompact",
            "can_implement", "check_params", "compile_bwd_main", "fake_arguments",
            "wgmma_smem_layouts"]

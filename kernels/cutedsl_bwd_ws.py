@@ -40,7 +40,11 @@ gathers the row's KV rows from L2). ``dQ`` stays in registers over the
 row (64 x 256 fp32 in warpgroup 0, 64 x 320 at D 576 / 64 x 256 at D 512 in warpgroup 1) and is
 stored as bf16 at the end (0 for a row without a valid slot).
 
-The deterministic mode is not implemented here (the ``wgmma`` flavour has it).
+Deterministic mode (``deterministic=True``): ``dkv_acc`` is int64 and every dKV value is added as
+the fixed-point integer ``rni(v * dkv_scale[0])`` (:meth:`SparseMlaBwdMain.scatter_chunk`):
+integer adds commute, so the sum has the same bits whatever order the CTAs add in. Nothing
+else changes (dQ is a per-row register sum, fixed order). The caller picks the multiplier so
+that no partial sum can overflow (``dsa_aot.runners.fixed_point_scale``).
 
 This module imports ``cutlass``: use it in a build process only.
 """
@@ -55,7 +59,9 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import hopper_helpers as sm90_utils
 
 from dsa_aot.kernels import cutedsl_bwd_main as main
-from dsa_aot.kernels.cutedsl_bwd_main import (BLOCK_H, BLOCK_N, LOG2E, SparseMlaBwdMain,
+from dsa_aot.kernels.cutedsl_bwd_main import (BLOCK_H, BLOCK_N, LOG2E,
+                                              DeterministicCompactEntry,
+                                              DeterministicNoncompactEntry, SparseMlaBwdMain,
                                               SparseMlaBwdMainCompact,
                                               SparseMlaBwdMainNoncompact, fake_arguments,
                                               opaque_i64, score_gemms, wg_gemm)
@@ -89,8 +95,6 @@ def check_params(d_qk: int, heads: int, layout: str, arch: str = "sm_90a",
                          "impl='wgmma_slot_major' (or leave impl unset) for fewer heads")
     if arch != "sm_90a":
         raise ValueError(f"impl={IMPL!r} needs sm_90a, not {arch}; use impl='mma'")
-    if deterministic:
-        raise ValueError(f"deterministic=True is implemented by impl='wgmma', not {IMPL!r}")
 
 
 def can_implement(d_qk: int, heads: int, layout: str) -> bool:
@@ -142,11 +146,16 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
     layout)``."""
 
     def __init__(self, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
-                 scatter: bool = True) -> None:
+                 scatter: bool = True, deterministic: bool = False) -> None:
         check_params(d_qk, heads, layout)
+        if deterministic and atomic_width != 4:
+            raise ValueError(f"atomic_width={atomic_width!r}: the deterministic mode adds int64 "
+                             "with the 4-wide lane trades; use atomic_width=4")
         super().__init__(d_qk, heads, layout, atomic_width=atomic_width, scatter=scatter,
                          impl="wgmma")
         self.impl = IMPL
+        self.deterministic = deterministic
+        self.fixed_full_lines = False  # measured: 14.80 -> 18.51 ms at H64 D576 with them
         self.gather_threads = WG_THREADS  # warpgroup 0 gathers
 
     # ---------------------------------------------------------------------------------------
@@ -157,7 +166,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
     def launch(self, q: cute.Tensor, kv: cute.Tensor, dout: cute.Tensor, topk_idxs: cute.Tensor,
                topk_length: cute.Tensor, lse_sink: cute.Tensor, delta: cute.Tensor,
                dq: cute.Tensor, dkv_acc: cute.Tensor, softmax_scale: Float32,
-               stream: cuda.CUstream) -> None:
+               stream: cuda.CUstream, dkv_scale: cute.Tensor = None) -> None:
         g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                   BFloat16, num_bits_per_copy=128)
         vecs = TILE // VEC
@@ -191,7 +200,8 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         if s_q_rows > 0:
             lay, SharedStorage = shared_storage(self.d_qk)
             self.kernel_ws(
-                q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc, softmax_scale,
+                q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc,
+                dkv_acc if dkv_scale is None else dkv_scale, softmax_scale,
                 lay["q"], lay["dout"], lay["kv"], lay["p"], lay["q_t"], lay["dout_t"],
                 lay["kv_t"], lay["p_t"], row_copy, gather_copy, mma_s, mma_dq_rs, mma_dq_ss,
                 mma_kv, SharedStorage).launch(grid=[s_q_rows * n_hb, 1, 1],
@@ -206,7 +216,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
     def kernel_ws(self, m_q: cute.Tensor, m_kv: cute.Tensor, m_do: cute.Tensor,
                   m_idx: cute.Tensor, m_len: cute.Tensor, m_lse: cute.Tensor,
                   m_delta: cute.Tensor, m_dq: cute.Tensor, m_dkv: cute.Tensor,
-                  softmax_scale: Float32, s_q_layout: cute.ComposedLayout,
+                  m_scale: cute.Tensor, softmax_scale: Float32, s_q_layout: cute.ComposedLayout,
                   s_do_layout: cute.ComposedLayout, s_kv_layout: cute.ComposedLayout,
                   s_p_layout: cute.ComposedLayout, s_qt_layout: cute.ComposedLayout,
                   s_dot_layout: cute.ComposedLayout, s_kt_layout: cute.ComposedLayout,
@@ -272,8 +282,8 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
             self.score_warpgroup(t, hb, n_blocks, n_slots, m_idx, m_dq, softmax_scale, smem_views,
                                  gather_args, mma_s, mma_dq_rs, wtid)
         else:
-            self.dkv_warpgroup(t, hb, n_blocks, m_dq, m_dkv, smem_views, mma_dq_ss, mma_kv,
-                               wtid)
+            self.dkv_warpgroup(t, hb, n_blocks, m_dq, m_dkv, m_scale, smem_views, mma_dq_ss,
+                               mma_kv, wtid)
 
     @cute.jit
     def score_warpgroup(self, t: Int32, hb: Int32, n_blocks: Int32, n_slots: Int32,
@@ -366,9 +376,10 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
 
     @cute.jit
     def dkv_warpgroup(self, t: Int32, hb: Int32, n_blocks: Int32, m_dq: cute.Tensor,
-                      m_dkv: cute.Tensor, sm: dict, mma_dq: cute.TiledMma,
+                      m_dkv: cute.Tensor, m_scale: cute.Tensor, sm: dict, mma_dq: cute.TiledMma,
                       mma_kv: cute.TiledMma, wtid: Int32) -> None:
-        """Warpgroup 1 over the row's blocks: dQ columns 256 on, dKV chunks and their atomics."""
+        """Warpgroup 1 over the row's blocks: dQ columns 256 on, dKV chunks and their atomics
+        (``m_scale``: the deterministic mode's ``dkv_scale``; unused otherwise)."""
         d = self.d_qk
         n_dq = d // TILE - SCORE_DQ_TILES
         n_chunks = d // TILE
@@ -396,6 +407,9 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         kv_shape = thr_kv.partition_shape_C((BLOCK_N, TILE))
         kv_coords = wg_rows_cols(thr_kv.partition_C(cute.make_identity_tensor((BLOCK_N, TILE))))
         k_steps = BLOCK_H // 16
+        mult = None
+        if cutlass.const_expr(self.deterministic):
+            mult = m_scale[0]
 
         for b in cutlass.range(n_blocks, unroll=1):
             buf = (b % 2) * BLOCK_N
@@ -426,12 +440,12 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                                                  number_of_threads=THREADS)
                 else:
                     self.scatter_chunk(wg_rows_cols(acc_kv[(c - 1) % 2]), kv_coords, row_ok,
-                                       row_ptr, (c - 1) * TILE, lane)
+                                       row_ptr, (c - 1) * TILE, lane, mult=mult)
             warpgroup.wait_group(0)
             if b + 1 < n_blocks:  # P / dS read for the last time: the next block's may land
                 cute.arch.barrier_arrive(barrier_id=BAR_PDS_EMPTY, number_of_threads=THREADS)
             self.scatter_chunk(wg_rows_cols(acc_kv[(n_chunks - 1) % 2]), kv_coords, row_ok,
-                               row_ptr, (n_chunks - 1) * TILE, lane)
+                               row_ptr, (n_chunks - 1) * TILE, lane, mult=mult)
 
         self.store_dq(t, hb, m_dq, acc_dq, thr_dq, SCORE_DQ_TILES)
 
@@ -456,6 +470,14 @@ class SparseMlaBwdWsNoncompact(SparseMlaBwdWs, SparseMlaBwdMainNoncompact):
     """Entry point of the noncompact layout (padding marked by out-of-range indices)."""
 
 
+class SparseMlaBwdWsCompactDeterministic(DeterministicCompactEntry, SparseMlaBwdWs):
+    """Entry point of the deterministic mode, compact layout."""
+
+
+class SparseMlaBwdWsNoncompactDeterministic(DeterministicNoncompactEntry, SparseMlaBwdWs):
+    """Entry point of the deterministic mode, noncompact layout."""
+
+
 def compile_bwd_ws(arch: str, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
                    scatter: bool = True, impl: str = IMPL, extra_options: str = "",
                    deterministic: bool = False) -> tuple[object, dict[str, object]]:
@@ -467,13 +489,19 @@ def compile_bwd_ws(arch: str, d_qk: int, heads: int, layout: str, atomic_width: 
         raise ValueError(f"impl={impl!r}: this module builds impl={IMPL!r}; "
                          "compile_bwd_main builds the others")
     check_params(d_qk, heads, layout, arch, deterministic)
-    fakes = fake_arguments(d_qk, heads, layout)
-    cls = SparseMlaBwdWsCompact if layout == "compact" else SparseMlaBwdWsNoncompact
-    kernel = cls(d_qk, heads, layout, atomic_width=atomic_width, scatter=scatter)
+    fakes = fake_arguments(d_qk, heads, layout, deterministic)
+    cls = {(False, "compact"): SparseMlaBwdWsCompact,
+           (False, "noncompact"): SparseMlaBwdWsNoncompact,
+           (True, "compact"): SparseMlaBwdWsCompactDeterministic,
+           (True, "noncompact"): SparseMlaBwdWsNoncompactDeterministic}[deterministic, layout]
+    kernel = cls(d_qk, heads, layout, atomic_width=atomic_width, scatter=scatter,
+                 deterministic=deterministic)
     compiled = cute.compile(kernel, *fakes.values(),
                             options=f"--gpu-arch {arch} {extra_options}".strip())
     return compiled, fakes
 
 
-__all__ = ["HEADS", "IMPL", "SparseMlaBwdWs", "SparseMlaBwdWsCompact", "SparseMlaBwdWsNoncompact",
+__all__ = ["HEADS", "IMPL", "SparseMlaBwdWs", "SparseMlaBwdWsCompact",
+           "SparseMlaBwdWsCompactDeterministic", "SparseMlaBwdWsNoncompact",
+           "SparseMlaBwdWsNoncompactDeterministic",
            "can_implement", "check_params", "compile_bwd_ws", "ws_smem_layouts"]

@@ -5,7 +5,13 @@ within each aligned group of 32: column ``8 j + 2 q + e`` (MMA 8-column block ``
 quad lane ``q``, value ``e`` of a pair) is stored at ``16 (j // 2) + 4 q + 2 (j % 2) + e``. The
 four values a lane holds for one row in two neighbouring blocks are then 16 contiguous bytes,
 and the 8 lanes of a quad pair cover a whole 128-byte line: one L2 request per row and atomic
-instead of four. The postprocess (and the deterministic fold) read the natural order back.
+instead of four. The postprocess reads the natural order back.
+
+The deterministic mode's int64 (fixed-point) accumulator uses the same lane trades with 8-byte
+values, then a second one between neighbouring quad pairs: of the four values ``i`` (``2 (j % 2) +
+e``) of 16-byte slot ``s`` (``4 (j // 2) + q``) of a group, value ``i`` is stored at ``16 (i % 2) +
+8 (i // 2) + s``, so each atomic instruction adds whole 128-byte lines (16 lanes a row;
+:func:`dkv_fixed_column`; the fold reads it back).
 """
 
 from __future__ import annotations
@@ -27,3 +33,24 @@ def natural_order(width: int) -> list[int]:
     if width % DKV_GROUP:
         raise ValueError(f"width={width}: must be a multiple of {DKV_GROUP}")
     return [dkv_acc_column(c) for c in range(width)]
+
+
+def dkv_fixed_column(col):
+    """Where natural column ``col`` of dKV sits in a fixed-point (int64) ``dkv_acc`` row: within
+    its group of 32, column ``8 j + 2 q + e`` at ``16 e + 8 (j % 2) + 4 (j // 2) + q``."""
+    return ((col >> 5) << 5) | ((col & 1) << 4) | (((col >> 3) & 1) << 3) \
+        | (((col >> 4) & 1) << 2) | ((col >> 1) & 3)
+
+
+def fixed_natural_order(width: int) -> list[int]:
+    """:func:`natural_order` of a fixed-point ``dkv_acc`` row."""
+    if width % DKV_GROUP:
+        raise ValueError(f"width={width}: must be a multiple of {DKV_GROUP}")
+    return [dkv_fixed_column(c) for c in range(width)]
+
+
+def fixed_vec_start(vec):
+    """Offset in a fixed-point ``dkv_acc`` row of natural column ``8 vec``; column ``8 vec + 2 q
+    + e`` is ``16 e + q`` further (Python ints or DSL ``Int32``)."""
+    block = vec % 4
+    return (vec // 4) * DKV_GROUP + 8 * (block % 2) + 4 * (block // 2)

@@ -33,8 +33,8 @@ STAGE_PARAMS: dict[str, frozenset[str]] = {
     "bwd_preprocess": frozenset({"out", "dout", "lse", "attn_sink", "delta", "lse_sink", "d_sink",
                                  "d_sink_acc", "s_q"}),
     "bwd_main": frozenset({"q", "kv", "dout", "topk_idxs", "topk_length", "lse_sink", "delta", "dq",
-                           "dkv_acc", "softmax_scale", "s_q", "s_kv", "topk"}),
-    "bwd_postprocess": frozenset({"dkv_acc", "dkv", "d_sink_acc", "d_sink", "s_kv"}),
+                           "dkv_acc", "dkv_scale", "softmax_scale", "s_q", "s_kv", "topk"}),
+    "bwd_postprocess": frozenset({"dkv_acc", "dkv_scale", "dkv", "d_sink_acc", "d_sink", "s_kv"}),
 }
 
 

@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from dsa_aot import settings
 from dsa_aot.backends.cutedsl.records import (
-    BWD_MAIN_HEADS, bwd_main_default_impl, DSL_RUNTIME_LIB, FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES, RECORD_FILE, WORKER_MODULE, _DSL_STATIC_SHIMS,
+    BWD_MAIN_HEADS, DETERMINISTIC_BWD_MAIN_IMPLS, bwd_main_default_impl, DSL_RUNTIME_LIB, FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES, RECORD_FILE, WORKER_MODULE, _DSL_STATIC_SHIMS,
     Arch, BwdMainImpl, CuteBuildError, CuteExportRecord, CuteKernel, CuteSymbols, FwdImpl, FwdLayout, LinkMode,
     RuntimeLibRecord, ScalarArgRecord, StreamArgRecord, TensorArgRecord, kernel_entry, sha256_file)
 from dsa_aot.toolkit import toolkit_root
@@ -74,16 +74,17 @@ class BuildRequest(BaseModel):
     kv_stages: Literal[1, 2] | None = None
     impl: FwdImpl | BwdMainImpl | None = None
     deterministic: bool = Field(False, description="backward stages: the deterministic variant "
-                                "(per-CTA shards and partial sums folded in a fixed order)")
+                                "(fixed-point int64 dkv, d_sink partial sums folded in order)")
 
     @model_validator(mode="after")
     def _fwd_params(self) -> "BuildRequest":
         fwd = (self.d_qk, self.heads, self.layout)
         if self.deterministic and self.kernel == "fwd":
             raise ValueError("deterministic applies to the backward stages only")
-        if self.deterministic and self.kernel == "bwd_main" and self.impl not in (None, "wgmma"):
-            raise ValueError(f"the deterministic bwd_main is the wgmma flavour, not {self.impl} "
-                             "(use impl=wgmma or leave it unset)")
+        if (self.deterministic and self.kernel == "bwd_main"
+                and self.impl not in (None, *DETERMINISTIC_BWD_MAIN_IMPLS)):
+            raise ValueError(f"impl={self.impl} has no deterministic bwd_main; use one of "
+                             f"{DETERMINISTIC_BWD_MAIN_IMPLS} or leave it unset")
         if self.deterministic and self.arch != "sm_90a":
             raise ValueError(f"the deterministic backward is built for sm_90a, not {self.arch}")
         if self.kernel == "fwd":

@@ -48,11 +48,13 @@ BWD_MAIN_DEFAULT_IMPL_BY_HEADS: dict[tuple[str, int], str] = {
     ("sm_90a", 64): "wgmma_ws", ("sm_90a", 128): "wgmma_ws"}
 
 
+#: The backward main flavours with a deterministic mode (fixed-point int64 dkv), sm_90a only.
+DETERMINISTIC_BWD_MAIN_IMPLS: tuple[str, ...] = ("wgmma_ws", "wgmma_slot_major")
+
+
 def bwd_main_default_impl(arch: str, heads: int | None, deterministic: bool = False) -> str:
     """The backward main stage's flavour when a request names none (the deterministic variant
-    is always the wgmma kernel's)."""
-    if deterministic:
-        return "wgmma"
+    is the same kernel as the fast one, in its deterministic mode)."""
     return BWD_MAIN_DEFAULT_IMPL_BY_HEADS.get((arch, heads or 0), BWD_MAIN_DEFAULT_IMPL[arch])
 
 

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dsa_aot.backends.cutedsl.flavours import (  # noqa: F401  (re-exported)
     BWD_MAIN_DEFAULT_IMPL, BWD_MAIN_DEFAULT_IMPL_BY_HEADS, BWD_MAIN_HEADS, BWD_SLOT_MAJOR_HEADS,
-    BWD_WS_HEADS, FLAVOUR_KERNELS,
+    BWD_WS_HEADS, DETERMINISTIC_BWD_MAIN_IMPLS, FLAVOUR_KERNELS,
     FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES, KERNELS, Arch, BwdMainImpl, CuteKernel, FwdImpl, FwdLayout,
     bwd_main_default_impl, kernel_entry, stage_impl)
 from dsa_aot.backends.cutedsl.names import DSL_RUNTIME_LIB, RECORD_FILE, sha256_file  # noqa: F401  (re-exported)
@@ -139,7 +139,8 @@ class CuteExportRecord(BaseModel):
         None, description="fwd: mma.sync (any arch), wgmma, wgmma_pipe, wgmma_ws or wgmma_split "
         "(sm_90a); bwd_main: mma, wgmma, wgmma_slot_major or wgmma_ws (sm_90a)")
     deterministic: bool = Field(False, description="backward: the deterministic variant (dkv_acc "
-                                "[shards, s_kv, D], d_sink_acc [parts, H], folded in order)")
+                                "[s_kv, D] int64 fixed point with dkv_scale [2]; d_sink_acc "
+                                "[parts, H] folded in order)")
     dsl_version: str
     library_sha256: str
     build_seconds: float = Field(description="compile + export in the worker, then link")

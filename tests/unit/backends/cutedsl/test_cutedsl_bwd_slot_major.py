@@ -6,7 +6,7 @@ equal the ``wgmma`` flavour's (same arguments, same descriptors), a fresh proces
 without ``cutlass``, and the embedded cubin spills nothing (no local memory) within 255
 registers. The shared-memory views the kernel reads as MN-major operands alias its K-major
 tiles byte for byte, and one CTA's shared memory fits the 227 KiB of an sm_90a CTA. Requests,
-specs and the kernel refuse other archs, other head counts and the deterministic mode by name;
+specs and the kernel refuse other archs and other head counts by name;
 a ``tile.flavour = "wgmma_slot_major"`` bwd spec builds through the production path. Numerics:
 ``tests/test_cutedsl_bwd_main.py -m gpu`` style GPU runs (not here).
 """
@@ -81,7 +81,6 @@ def test_flavour_becomes_the_main_stage_impl_and_names_the_artifact() -> None:
     ({"arch": "sm_100a"}, "impl=wgmma_slot_major needs sm_90a, not sm_100a"),
     ({"heads": 64}, r"impl=wgmma_slot_major supports heads \(16, 32\), not heads=64; use impl=wgmma"),
     ({"heads": 128}, r"supports heads \(16, 32\), not heads=128"),
-    ({"deterministic": True}, "deterministic bwd_main is the wgmma flavour, not wgmma_slot_major"),
 ])
 def test_what_the_flavour_cannot_build_is_refused(kwargs: dict, fragment: str) -> None:
     spec = _spec(**kwargs)
@@ -133,7 +132,7 @@ assert k.can_implement(576, 16, 'compact') and k.can_implement(512, 32, 'noncomp
 assert not k.can_implement(576, 64, 'compact') and not k.can_implement(448, 16, 'compact')
 for args, kw in [(('sm_100a', 576, 16, 'compact'), {}), (('sm_90a', 576, 64, 'compact'), {}),
                  (('sm_90a', 576, 128, 'noncompact'), {}),
-                 (('sm_90a', 576, 16, 'compact'), {'deterministic': True})]:
+                 (('sm_90a', 576, 16, 'compact'), {'deterministic': True, 'atomic_width': 2})]:
     try:
         k.compile_bwd_slot_major(*args, **kw)
     except ValueError as e:
@@ -152,7 +151,7 @@ def test_kernel_refuses_what_it_cannot_build(tmp_path: Path) -> None:
     assert "needs sm_90a, not sm_100a" in lines[0]
     assert "heads=64" in lines[1] and "supports heads (16, 32)" in lines[1]
     assert "heads=128" in lines[2]
-    assert "deterministic=True is implemented by impl='wgmma'" in lines[3]
+    assert "atomic_width=2: the deterministic mode adds int64" in lines[3]
 
 
 _VIEW_CHECK = """

@@ -3,9 +3,8 @@
 A ``tile.flavour = "wgmma_ws"`` bwd spec becomes the main stage's impl, names its artifact apart
 from the ``wgmma`` one (the suffix goes to whichever is not the default at H64 / H128) and keys
 its build on the flavour's module; a spec without a flavour gets the default, a deterministic one
-the ``wgmma`` kernel; the forward's own ``wgmma_ws`` flavour is left alone. Requests, specs,
-catalogs and the kernel module refuse other archs, other head counts and the deterministic mode by
-name, and ``compile_bwd_main`` refuses to build the flavour. The shared-memory views the kernel
+too (in its deterministic mode); the forward's own ``wgmma_ws`` flavour is left alone. Requests,
+specs, catalogs and the kernel module refuse other archs and other head counts by name, and ``compile_bwd_main`` refuses to build the flavour. The shared-memory views the kernel
 reads as MN-major operands alias its K-major tiles byte for byte, and one CTA's shared memory fits
 the 227 KiB of an sm_90a CTA. Four variants (both D, both H, both layouts) compile, export and
 link for sm_90a through :func:`dsa_aot.backends.cutedsl.build.build_cutedsl`: their records and C
@@ -99,8 +98,7 @@ def test_flavour_becomes_the_main_stage_impl_and_names_the_artifact() -> None:
 @pytest.mark.parametrize("heads", BWD_WS_HEADS)
 def test_specs_without_a_flavour_at_its_heads(heads: int) -> None:
     """Without a flavour the main stage gets the arch's default at these heads (built by its own
-    module); the deterministic backward, which this flavour does not implement, is the wgmma
-    kernel's and is not refused."""
+    module), in the deterministic backward too."""
     backend = get_backend("cutedsl")
     default = bwd_main_default_impl("sm_90a", heads)
     assert default in ("wgmma", IMPL)
@@ -111,8 +109,8 @@ def test_specs_without_a_flavour_at_its_heads(heads: int) -> None:
     det = _spec(heads, flavour=None, deterministic=True)
     backend.check_spec(det)
     _, main, _ = requests_for(det, BWD_STAGES)
-    assert main.deterministic and main.compile_params["impl"] == "wgmma"
-    assert backend.kernel_sources(det)[1] == "dsa_aot.kernels.cutedsl_bwd_main"
+    assert main.deterministic and main.compile_params["impl"] == default
+    assert (MODULE in backend.kernel_sources(det)) == (default == IMPL)
 
 
 @pytest.mark.parametrize("kwargs,fragment", [
@@ -120,7 +118,6 @@ def test_specs_without_a_flavour_at_its_heads(heads: int) -> None:
     ({"heads": 16}, r"impl=wgmma_ws supports heads \(64, 128\), not heads=16; "
                     r"use impl=wgmma_slot_major \(or leave impl unset\)"),
     ({"heads": 32}, r"supports heads \(64, 128\), not heads=32"),
-    ({"deterministic": True}, "deterministic bwd_main is the wgmma flavour, not wgmma_ws"),
 ])
 def test_what_the_flavour_cannot_build_is_refused(kwargs: dict, fragment: str) -> None:
     spec = _spec(**kwargs)
@@ -177,7 +174,7 @@ assert not k.can_implement(576, 16, 'compact') and not k.can_implement(576, 32, 
 assert not k.can_implement(448, 64, 'compact') and not k.can_implement(576, 64, 'paged')
 for args, kw in [(('sm_100a', 576, 64, 'compact'), {}), (('sm_90a', 576, 16, 'compact'), {}),
                  (('sm_90a', 512, 32, 'noncompact'), {}),
-                 (('sm_90a', 576, 64, 'compact'), {'deterministic': True}),
+                 (('sm_90a', 576, 64, 'compact'), {'deterministic': True, 'atomic_width': 2}),
                  (('sm_90a', 576, 64, 'compact'), {'impl': 'wgmma'})]:
     try:
         k.compile_bwd_ws(*args, **kw)
@@ -202,7 +199,7 @@ def test_kernel_refuses_what_it_cannot_build(tmp_path: Path) -> None:
     assert "heads=16" in lines[2] and "supports heads (64, 128)" in lines[2]
     assert "impl='wgmma_slot_major'" in lines[2]
     assert "heads=32" in lines[3]
-    assert "deterministic=True is implemented by impl='wgmma'" in lines[4]
+    assert "atomic_width=2: the deterministic mode adds int64" in lines[4]
     assert "this module builds impl='wgmma_ws'" in lines[5]
 
 
