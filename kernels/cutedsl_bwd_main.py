@@ -364,8 +364,6 @@ class SparseMlaBwdMain:
         for c in cutlass.range_constexpr(n_dq_chunks):
             acc_dq[c].fill(0.0)
         coords = acc_rows_cols(thr_mma.partition_C(cute.make_identity_tensor((BLOCK_H, BLOCK_N))))
-        rows_per_thread = cute.size(coords, mode=[0])
-        cols_per_thread = cute.size(coords, mode=[1])
 
         store_c = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(),
                                                              BFloat16), tiled_mma)
@@ -374,11 +372,8 @@ class SparseMlaBwdMain:
         t_s_ds_c = thr_store_c.partition_D(s_ds)
 
         # ---- prologue: block 0 in flight ---------------------------------------------------
-        if n_blocks > 0:
-            first = self.load_indices(0, t, m_idx, n_slots, row_in_pass)
-            self.gather(first, 0, s_kv, t_g_kv, kv_row_stride, t_s_kv, s_idx, s_valid,
-                        gmem_copy, row_in_pass, tidx)
-        cute.arch.cp_async_commit_group()
+        self.gather_first(n_blocks, t, m_idx, n_slots, s_kv, t_g_kv, kv_row_stride, t_s_kv, s_idx,
+                          s_valid, gmem_copy, row_in_pass, tidx)
 
         for b in cutlass.range(n_blocks, unroll=1):
             buf = (b % 2) * BLOCK_N
@@ -401,28 +396,9 @@ class SparseMlaBwdMain:
                     cute.gemm(tiled_mma, acc_dp, r_doa[None, None, 0], r_kb[None, None, 0],
                               acc_dp)
 
-            # P = exp2(s * scale * log2e - lse * log2e), masked slots -inf before the exp2;
-            # dS = P * (dP - delta) * scale
-            acc_s_rc = acc_rows_cols(acc_s)
-            acc_dp_rc = acc_rows_cols(acc_dp)
-            col_ok = [s_valid[buf + coords[0, j][1]] for j in range(cols_per_thread)]
-            for r in cutlass.range_constexpr(rows_per_thread):
-                row = coords[r, 0][0]
-                lse_r = s_lse[row]
-                delta_r = s_delta[row]
-                for j in cutlass.range_constexpr(cols_per_thread):
-                    x = acc_s_rc[r, j] * scale_log2 - lse_r
-                    if col_ok[j] == 0:
-                        x = Float32(-_INF)
-                    p = cute.math.exp2(x, fastmath=True)
-                    acc_s_rc[r, j] = p
-                    acc_dp_rc[r, j] = p * (acc_dp_rc[r, j] - delta_r) * softmax_scale
-            r_p16 = cute.make_fragment_like(acc_s, BFloat16)
-            r_p16.store(acc_s.load().to(BFloat16))
-            r_ds16 = cute.make_fragment_like(acc_dp, BFloat16)
-            r_ds16.store(acc_dp.load().to(BFloat16))
-            cute.copy(store_c, thr_store_c.retile(r_p16), t_s_p_c)
-            cute.copy(store_c, thr_store_c.retile(r_ds16), t_s_ds_c)
+            self.p_ds_to_shared(acc_s, acc_dp, acc_rows_cols(acc_s), acc_rows_cols(acc_dp), coords,
+                                s_valid, buf, s_lse, s_delta, scale_log2, softmax_scale,
+                                [store_c, thr_store_c, t_s_p_c, t_s_ds_c])
             cute.arch.barrier()
 
             # dQ += dS K
@@ -609,8 +585,6 @@ class SparseMlaBwdMain:
         coords = wg_rows_cols(thr_s.partition_C(cute.make_identity_tensor((BLOCK_H, BLOCK_N))))
         kv_coords = wg_rows_cols(thr_kv.partition_C(cute.make_identity_tensor((BLOCK_N,
                                                                                 WG_CHUNK))))
-        rows_per_thread = cute.size(coords, mode=[0])
-        cols_per_thread = cute.size(coords, mode=[1])
         store_c = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(),
                                                              BFloat16), mma_s)
         thr_store_c = store_c.get_slice(tidx)
@@ -629,11 +603,8 @@ class SparseMlaBwdMain:
         acc_dq.fill(0.0)
 
         # ---- prologue: block 0 in flight -----------------------------------------------
-        if n_blocks > 0:
-            first = self.load_indices(0, t, m_idx, n_slots, row_in_pass)
-            self.gather(first, 0, s_kv, t_g_kv, kv_row_stride, t_s_kv, s_idx, s_valid,
-                        gmem_copy, row_in_pass, tidx)
-        cute.arch.cp_async_commit_group()
+        self.gather_first(n_blocks, t, m_idx, n_slots, s_kv, t_g_kv, kv_row_stride, t_s_kv, s_idx,
+                          s_valid, gmem_copy, row_in_pass, tidx)
 
         for b in cutlass.range(n_blocks, unroll=1):
             buf = (b % 2) * BLOCK_N
@@ -645,26 +616,9 @@ class SparseMlaBwdMain:
             # S = Q K^T and dP = dO V^T (this warpgroup's 32 slots)
             acc_s, acc_dp = score_gemms(mma_s, acc_shape, r_q, r_do, r_k, d)
 
-            acc_s_rc = wg_rows_cols(acc_s)
-            acc_dp_rc = wg_rows_cols(acc_dp)
-            col_ok = [s_valid[buf + coords[0, j][1]] for j in range(cols_per_thread)]
-            for r in cutlass.range_constexpr(rows_per_thread):
-                row = coords[r, 0][0]
-                lse_r = s_lse[row]
-                delta_r = s_delta[row]
-                for j in cutlass.range_constexpr(cols_per_thread):
-                    x = acc_s_rc[r, j] * scale_log2 - lse_r
-                    if col_ok[j] == 0:
-                        x = Float32(-_INF)
-                    p = cute.math.exp2(x, fastmath=True)
-                    acc_s_rc[r, j] = p
-                    acc_dp_rc[r, j] = p * (acc_dp_rc[r, j] - delta_r) * softmax_scale
-            r_p16 = cute.make_fragment_like(acc_s, BFloat16)
-            r_p16.store(acc_s.load().to(BFloat16))
-            r_ds16 = cute.make_fragment_like(acc_dp, BFloat16)
-            r_ds16.store(acc_dp.load().to(BFloat16))
-            cute.copy(store_c, thr_store_c.retile(r_p16), t_s_p_c)
-            cute.copy(store_c, thr_store_c.retile(r_ds16), t_s_ds_c)
+            self.p_ds_to_shared(acc_s, acc_dp, wg_rows_cols(acc_s), wg_rows_cols(acc_dp), coords,
+                                s_valid, buf, s_lse, s_delta, scale_log2, softmax_scale,
+                                [store_c, thr_store_c, t_s_p_c, t_s_ds_c])
             cute.arch.fence_view_async_shared()  # P / dS stores -> wgmma reads
             cute.arch.barrier()
 
@@ -696,6 +650,37 @@ class SparseMlaBwdMain:
             else:
                 if (c_dq[i][0] < heads) & (c_dq[i][1] < d):
                     t_g[i] = r_o[i]
+
+    @cute.jit
+    def p_ds_to_shared(self, acc_s: cute.Tensor, acc_dp: cute.Tensor, acc_s_rc: cute.Tensor,
+                       acc_dp_rc: cute.Tensor, coords: cute.Tensor, s_valid: cute.Tensor,
+                       buf: Int32, s_lse: cute.Tensor, s_delta: cute.Tensor, scale_log2: Float32,
+                       softmax_scale: Float32, store: list) -> None:
+        """In place, ``P = exp2(s * scale * log2e - lse * log2e)`` (masked slots ``-inf`` before
+        the ``exp2``) and ``dS = P * (dP - delta) * scale`` on the score accumulators (``*_rc``:
+        their (row, column) views, ``coords`` the same view of the identity tensor), then both
+        as bf16 to shared memory by ``store`` = ``[tiled copy, its slice, P tile, dS tile]``."""
+        store_c, thr_store_c, t_s_p_c, t_s_ds_c = store
+        rows_per_thread = cute.size(coords, mode=[0])
+        cols_per_thread = cute.size(coords, mode=[1])
+        col_ok = [s_valid[buf + coords[0, j][1]] for j in range(cols_per_thread)]
+        for r in cutlass.range_constexpr(rows_per_thread):
+            row = coords[r, 0][0]
+            lse_r = s_lse[row]
+            delta_r = s_delta[row]
+            for j in cutlass.range_constexpr(cols_per_thread):
+                x = acc_s_rc[r, j] * scale_log2 - lse_r
+                if col_ok[j] == 0:
+                    x = Float32(-_INF)
+                p = cute.math.exp2(x, fastmath=True)
+                acc_s_rc[r, j] = p
+                acc_dp_rc[r, j] = p * (acc_dp_rc[r, j] - delta_r) * softmax_scale
+        r_p16 = cute.make_fragment_like(acc_s, BFloat16)
+        r_p16.store(acc_s.load().to(BFloat16))
+        r_ds16 = cute.make_fragment_like(acc_dp, BFloat16)
+        r_ds16.store(acc_dp.load().to(BFloat16))
+        cute.copy(store_c, thr_store_c.retile(r_p16), t_s_p_c)
+        cute.copy(store_c, thr_store_c.retile(r_ds16), t_s_ds_c)
 
     @cute.jit
     def dkv_chunks(self, mma_kv: cute.TiledMma, acc_kv: list, ds_a: cute.Tensor, p_a: cute.Tensor,
@@ -766,7 +751,12 @@ class SparseMlaBwdMain:
         flavour (each warp owns 16 of every 32 columns) adds value pairs with ``.v2`` atomics
         for ``atomic_width`` 2 or 4; ``atomic_width=1`` adds single values.
 
-        Deterministic mode (``mult`` given, ``dkv_acc`` int64): :meth:`scatter_fixed`.
+        Deterministic mode (``mult`` given, ``dkv_acc`` int64): the same lane trades, then each
+        value ``v`` is added as the integer ``rni(v * mult)`` (``red.global.add.u64``; integer
+        adds give the same sum in any order). Value ``i`` of 16-byte slot ``s`` lands at ``16 (i
+        % 2) + 8 (i // 2) + s`` of its group (:func:`~dsa_aot.kernels.dkv_interleave.
+        dkv_fixed_column`), so one instruction per ``i`` adds 64 contiguous bytes of each of four
+        rows; with :attr:`fixed_full_lines`, :meth:`add_fixed_lines` adds whole lines instead.
 
         ``scatter=False`` keeps every instruction but the atomics, behind a run-time test that
         never passes (the dKV GEMMs stay live: a timing ablation of the atomics alone).
@@ -775,14 +765,21 @@ class SparseMlaBwdMain:
         cols = cute.size(acc, mode=[1])
         if cutlass.const_expr(not self.scatter):
             row_ok = [ok // 2 for ok in row_ok]  # the flags are 0 or 1 (the compiler can't tell)
-        if cutlass.const_expr(mult is not None):
-            self.scatter_fixed(acc, coords, row_ok, row_ptr, col0, lane, limit, mult)
-        elif cutlass.const_expr(self.atomic_width == 4 and self.impl != "mma"):
+        if cutlass.const_expr(self.atomic_width == 4 and self.impl != "mma"):
             upper = (lane // 4) % 2
             quad_col = 4 * (lane % 4)
             own = cute.make_rmem_tensor(4, Float32)
             got = cute.make_rmem_tensor(4, Float32)
             vals = cute.make_rmem_tensor(4, Float32)
+            full = mult is not None and self.fixed_full_lines
+            pair = (lane // 8) % 2
+            addr = []  # full lines, per fragment row and side: (this pair's row, the other's)
+            flag = []
+            if cutlass.const_expr(full):
+                for n in cutlass.range_constexpr(2 * rows):
+                    mine = row_ptr[n].toint()
+                    addr.append((mine, cute.arch.shuffle_sync_bfly(mine, offset=8)))
+                    flag.append((row_ok[n], cute.arch.shuffle_sync_bfly(row_ok[n], offset=8)))
             for r in cutlass.range_constexpr(rows):
                 for g in cutlass.range_constexpr(cols // 8):
                     for i in cutlass.range_constexpr(4):  # blocks 4g, 4g+1 kept; 4g+2, 4g+3 traded
@@ -793,13 +790,26 @@ class SparseMlaBwdMain:
                     for side in cutlass.range_constexpr(2):  # 0: the pair's lower row, 1: upper
                         for i in cutlass.range_constexpr(4):
                             vals[i] = own[i] if upper == side else got[i]
+                        if cutlass.const_expr(full):
+                            self.add_fixed_lines(vals, addr[2 * r + side], flag[2 * r + side],
+                                                 group, lane, pair, side, limit, mult)
+                            continue
                         col = group + quad_col + 16 * (upper ^ side)
                         ok = row_ok[2 * r + side] != 0
                         if cutlass.const_expr(limit is not None):  # whole groups are padding
                             ok = ok & (group < limit)
                         if ok:
-                            cute.arch.red((row_ptr[2 * r + side] + col).llvm_ptr, vals.load(),
-                                          op="add", dtype="f32", sem="relaxed", scope="gpu")
+                            if cutlass.const_expr(mult is None):
+                                cute.arch.red((row_ptr[2 * r + side] + col).llvm_ptr,
+                                              vals.load(), op="add", dtype="f32",
+                                              sem="relaxed", scope="gpu")
+                            else:  # fixed point: value i of slot s at 16 (i % 2) + 8 (i // 2) + s
+                                slot = lane % 4 + 4 * (upper ^ side)
+                                for i in cutlass.range_constexpr(4):
+                                    pos = group + 16 * (i % 2) + 8 * (i // 2) + slot
+                                    cute.arch.red((row_ptr[2 * r + side] + pos).llvm_ptr,
+                                                  to_fixed(vals[i] * mult), op="add",
+                                                  dtype="u64", sem="relaxed", scope="gpu")
         elif cutlass.const_expr(self.atomic_width >= 2):
             vals = cute.make_rmem_tensor(2, Float32)
             for r in cutlass.range_constexpr(rows):
@@ -827,74 +837,32 @@ class SparseMlaBwdMain:
                             cute.arch.atomic_add(dst.llvm_ptr, acc[r, j])
 
     @cute.jit
-    def scatter_fixed(self, acc: cute.Tensor, coords: cute.Tensor, row_ok: list, row_ptr: list,
-                      col0: Int32, lane: Int32, limit: cutlass.Constexpr, mult: Float32) -> None:
-        """:meth:`scatter_chunk` of the deterministic mode: each value ``v`` added to an int64
-        ``dkv_acc`` as the integer ``rni(v * mult)`` (``red.global.add.u64``; integer adds give
-        the same sum in any order).
-
-        The lane trades of the 4-wide fp32 path (``lane ^ 4``) leave 8 lanes with 4 values each
-        of one row per 32-column group. Value ``i`` of 16-byte slot ``s`` lands at ``16 (i % 2) +
-        8 (i // 2) + s`` of the group (:func:`~dsa_aot.kernels.dkv_interleave.dkv_fixed_column`),
-        so the 8 lanes' values ``i`` are 64 contiguous bytes: one instruction per ``i`` adds 64
-        bytes of each of four rows. With :attr:`fixed_full_lines` a second trade with the
-        neighbouring quad pair (``lane ^ 8``: half of the values, and the pair's row pointers
-        and flags) spreads each row over 16 lanes, and every instruction adds two whole 128-byte
-        lines (the L2 adds 22% faster, ``bench/results/h200_l2_reduce_probe.md``) for 20
-        more shuffles and selects per row group: the slot-major kernel gains, the
-        warpgroups-by-role kernel's dKV warpgroup (at 255 registers) loses."""
-        rows = cute.size(acc, mode=[0])
-        cols = cute.size(acc, mode=[1])
-        upper = (lane // 4) % 2
-        pair = (lane // 8) % 2
-        own = cute.make_rmem_tensor(4, Float32)
-        got = cute.make_rmem_tensor(4, Float32)
-        vals = cute.make_rmem_tensor(4, Float32)
-        full = self.fixed_full_lines
-        addr = []  # full lines, per fragment row and side: (this pair's row, the other pair's)
-        flag = []
-        if cutlass.const_expr(full):
-            for n in cutlass.range_constexpr(2 * rows):
-                mine = row_ptr[n].toint()
-                addr.append((mine, cute.arch.shuffle_sync_bfly(mine, offset=8)))
-                flag.append((row_ok[n], cute.arch.shuffle_sync_bfly(row_ok[n], offset=8)))
-        for r in cutlass.range_constexpr(rows):
-            for g in cutlass.range_constexpr(cols // 8):
-                for i in cutlass.range_constexpr(4):  # blocks 4g, 4g+1 kept; 4g+2, 4g+3 traded
-                    own[i] = acc[r, 8 * g + i]
-                    got[i] = cute.arch.shuffle_sync_bfly(acc[r, 8 * g + 4 + i], offset=4)
-                group = col0 + coords[r, 8 * g][1] - 2 * (lane % 4)
-                for side in cutlass.range_constexpr(2):
-                    for i in cutlass.range_constexpr(4):
-                        vals[i] = own[i] if upper == side else got[i]
-                    slot = lane % 4 + 4 * (upper ^ side)
-                    if cutlass.const_expr(not full):
-                        ok = row_ok[2 * r + side] != 0
-                        if cutlass.const_expr(limit is not None):  # whole groups are padding
-                            ok = ok & (group < limit)
-                        if ok:
-                            for i in cutlass.range_constexpr(4):
-                                pos = group + 16 * (i % 2) + 8 * (i // 2) + slot
-                                cute.arch.red((row_ptr[2 * r + side] + pos).llvm_ptr,
-                                              to_fixed(vals[i] * mult), op="add", dtype="u64",
-                                              sem="relaxed", scope="gpu")
-                        continue
-                    swap = [cute.arch.shuffle_sync_bfly(vals[2 + k], offset=8) for k in range(2)]
-                    base_mine, base_other = addr[2 * r + side]
-                    ok_mine, ok_other = flag[2 * r + side]
-                    for w in cutlass.range_constexpr(2):  # the row of pair w
-                        for k in cutlass.range_constexpr(2):  # its line k
-                            val = vals[k] if pair == w else swap[k]
-                            base = base_mine if pair == w else base_other
-                            ok = (ok_mine if pair == w else ok_other) != 0
-                            if cutlass.const_expr(limit is not None):  # whole groups are padding
-                                ok = ok & (group < limit)
-                            pos = group + 16 * k + 8 * (pair ^ w) + slot
-                            if ok:
-                                dst = cute.make_ptr(Int64, base + Int64(pos) * 8,
-                                                    cute.AddressSpace.gmem)
-                                cute.arch.red(dst.llvm_ptr, to_fixed(val * mult), op="add",
-                                              dtype="u64", sem="relaxed", scope="gpu")
+    def add_fixed_lines(self, vals: cute.Tensor, addr: tuple, flag: tuple, group: Int32,
+                        lane: Int32, pair: Int32, side: cutlass.Constexpr,
+                        limit: cutlass.Constexpr, mult: Float32) -> None:
+        """Deterministic mode, whole lines: a second trade with the neighbouring quad pair
+        (``lane ^ 8``: values 2 and 3; ``addr`` / ``flag``: this pair's and the other pair's row
+        address and flag) spreads each row's 32 values of the group over 16 lanes, and each
+        instruction adds two whole 128-byte lines (the L2 adds 22% faster,
+        ``bench/results/h200_l2_reduce_probe.md``) for about 20 more shuffles and selects per
+        row group: the slot-major kernel gains, the warpgroups-by-role one's dKV warpgroup (at
+        255 registers) loses."""
+        slot = lane % 4 + 4 * (((lane // 4) % 2) ^ side)
+        swap = [cute.arch.shuffle_sync_bfly(vals[2 + k], offset=8) for k in range(2)]
+        base_mine, base_other = addr
+        ok_mine, ok_other = flag
+        for w in cutlass.range_constexpr(2):  # the row of pair w
+            for k in cutlass.range_constexpr(2):  # its line k
+                val = vals[k] if pair == w else swap[k]
+                base = base_mine if pair == w else base_other
+                ok = (ok_mine if pair == w else ok_other) != 0
+                if cutlass.const_expr(limit is not None):  # whole groups are padding
+                    ok = ok & (group < limit)
+                pos = group + 16 * k + 8 * (pair ^ w) + slot
+                if ok:
+                    dst = cute.make_ptr(Int64, base + Int64(pos) * 8, cute.AddressSpace.gmem)
+                    cute.arch.red(dst.llvm_ptr, to_fixed(val * mult), op="add", dtype="u64",
+                                  sem="relaxed", scope="gpu")
 
     @cute.jit
     def load_row(self, t: Int32, hb: Int32, m_q: cute.Tensor, m_do: cute.Tensor, m_lse: cute.Tensor,
@@ -941,6 +909,19 @@ class SparseMlaBwdMain:
                 idx = m_idx[t, slot]
             found.append(idx)
         return found
+
+    @cute.jit
+    def gather_first(self, n_blocks: Int32, t: Int32, m_idx: cute.Tensor, n_slots: Int32,
+                     s_kv: Int32, t_g_kv: cute.Tensor, row_stride: Int64, t_s_kv: cute.Tensor,
+                     s_idx: cute.Tensor, s_valid: cute.Tensor, gmem_copy: cute.TiledCopy,
+                     row_in_pass: Int32, tidx: Int32) -> None:
+        """Issue and commit block 0's gather into buffer 0 (an empty group when the row has no
+        block): :meth:`load_indices` then :meth:`gather`."""
+        if n_blocks > 0:
+            first = self.load_indices(0, t, m_idx, n_slots, row_in_pass)
+            self.gather(first, 0, s_kv, t_g_kv, row_stride, t_s_kv, s_idx, s_valid, gmem_copy,
+                        row_in_pass, tidx)
+        cute.arch.cp_async_commit_group()
 
     @cute.jit
     def gather(self, indices: list, buf: Int32, s_kv: Int32, t_g_kv: cute.Tensor,

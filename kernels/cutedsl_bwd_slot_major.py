@@ -320,11 +320,8 @@ class SparseMlaBwdSlotMajor(SparseMlaBwdMain):
         acc_kv = [cute.make_rmem_tensor(kv_shape, Float32) for _ in range(2)]
 
         # ---- prologue: block 0 in flight ---------------------------------------------------
-        if n_blocks > 0:
-            first = self.load_indices(0, t, m_idx, n_slots, row_in_pass)
-            self.gather(first, 0, s_kv, t_g_kv, kv_row_stride, t_s_kv, s_idx, s_valid,
-                        gmem_copy, row_in_pass, tidx)
-        cute.arch.cp_async_commit_group()
+        self.gather_first(n_blocks, t, m_idx, n_slots, s_kv, t_g_kv, kv_row_stride, t_s_kv, s_idx,
+                          s_valid, gmem_copy, row_in_pass, tidx)
 
         for b in cutlass.range(n_blocks, unroll=1):
             buf = (b % 2) * SLOTS
