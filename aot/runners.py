@@ -222,8 +222,6 @@ def d_sink_parts(s_q: int) -> int:
     return max(1, min(1024, -(-s_q // 16)))
 
 
-#: Head dimension of V (``dout``, ``out``): the length of the ``dP`` and ``delta`` dot products.
-_DV = D_V
 #: Bits of headroom the fixed-point dkv keeps below int64's 63: partial sums stay below 2^61.
 _FIXED_BITS = 61
 
@@ -247,7 +245,7 @@ def fixed_point_scale(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout
     maxes = torch.stack([_abs_max(t) for t in (q, kv, out, dout)]).double()
     m_q, m_kv, m_out, m_dout = maxes.unbind()
     s_q, heads = q.shape[0], q.shape[1]
-    bound = 2.0 * s_q * heads * (_DV * m_dout * (m_kv + m_out) * abs(softmax_scale) * m_q + m_dout)
+    bound = 2.0 * s_q * heads * (D_V * m_dout * (m_kv + m_out) * abs(softmax_scale) * m_q + m_dout)
     exp = torch.ceil(torch.log2(bound.clamp_min(2.0 ** -100)))
     k = torch.clamp(_FIXED_BITS - exp, max=120.0)
     ok = torch.isfinite(bound) & (k >= -120.0)  # fp32 holds 2^k and 2^-k

@@ -181,15 +181,18 @@ class SparseMlaBwdMain:
     """The backward main kernel for one ``(d_qk, heads, layout)``."""
 
     def __init__(self, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
-                 scatter: bool = True, impl: str = "mma") -> None:
+                 scatter: bool = True, impl: str = "mma", deterministic: bool = False) -> None:
         check_params(d_qk, heads, layout)
+        if deterministic and atomic_width != 4:
+            raise ValueError(f"atomic_width={atomic_width!r}: the deterministic mode adds int64 "
+                             "with the 4-wide lane trades; use atomic_width=4")
         if atomic_width not in ATOMIC_WIDTHS:
             raise ValueError(f"atomic_width={atomic_width!r}: use one of {ATOMIC_WIDTHS}")
         if impl not in IMPLS:
             raise ValueError(f"impl={impl!r}: use one of {IMPLS}")
-        #: fixed-point dkv (int64 adds, order-free: the deterministic mode); set by the flavours
-        #: that have it (:mod:`.cutedsl_bwd_ws`, :mod:`.cutedsl_bwd_slot_major`)
-        self.deterministic = False
+        #: fixed-point dkv (int64 adds, order-free: the deterministic mode); only the flavours
+        #: that have it pass True (:mod:`.cutedsl_bwd_ws`, :mod:`.cutedsl_bwd_slot_major`)
+        self.deterministic = deterministic
         #: deterministic mode: whole 128-byte lines per atomic instruction (:meth:`scatter_fixed`)
         self.fixed_full_lines = False
         self.impl = impl

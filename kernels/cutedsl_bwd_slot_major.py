@@ -88,8 +88,7 @@ assert main.THREADS == THREADS and main.VEC == VEC and 2 * main.BLOCK_N == SLOTS
 _INF = float("inf")
 
 
-def check_params(d_qk: int, heads: int, layout: str, arch: str = "sm_90a",
-                 deterministic: bool = False) -> None:
+def check_params(d_qk: int, heads: int, layout: str, arch: str = "sm_90a") -> None:
     """Raise ``ValueError`` naming the compile-time parameter this flavour cannot take."""
     main.check_params(d_qk, heads, layout)
     if heads not in HEADS:
@@ -149,13 +148,9 @@ class SparseMlaBwdSlotMajor(SparseMlaBwdMain):
     def __init__(self, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
                  scatter: bool = True, deterministic: bool = False) -> None:
         check_params(d_qk, heads, layout)
-        if deterministic and atomic_width != 4:
-            raise ValueError(f"atomic_width={atomic_width!r}: the deterministic mode adds int64 "
-                             "with the 4-wide lane trades; use atomic_width=4")
         super().__init__(d_qk, heads, layout, atomic_width=atomic_width, scatter=scatter,
-                         impl="wgmma")
+                         impl="wgmma", deterministic=deterministic)
         self.impl = IMPL
-        self.deterministic = deterministic
         self.fixed_full_lines = True  # measured: 14.06 -> 12.03 ms at H32 D576 (S_q 4096)
 
     # ---------------------------------------------------------------------------------------
@@ -436,7 +431,7 @@ def compile_bwd_slot_major(arch: str, d_qk: int, heads: int, layout: str, atomic
     if impl != IMPL:
         raise ValueError(f"impl={impl!r}: this module builds impl={IMPL!r}; "
                          "compile_bwd_main builds the others")
-    check_params(d_qk, heads, layout, arch, deterministic)
+    check_params(d_qk, heads, layout, arch)
     fakes = fake_arguments(d_qk, heads, layout, deterministic)
     cls = {(False, "compact"): SparseMlaBwdSlotMajorCompact,
            (False, "noncompact"): SparseMlaBwdSlotMajorNoncompact,

@@ -86,8 +86,7 @@ assert main.THREADS == THREADS and main.BLOCK_H == TILE and main.BLOCK_N == TILE
 _INF = float("inf")
 
 
-def check_params(d_qk: int, heads: int, layout: str, arch: str = "sm_90a",
-                 deterministic: bool = False) -> None:
+def check_params(d_qk: int, heads: int, layout: str, arch: str = "sm_90a") -> None:
     """Raise ``ValueError`` naming the compile-time parameter this flavour cannot take."""
     main.check_params(d_qk, heads, layout)
     if heads not in HEADS:
@@ -148,13 +147,9 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
     def __init__(self, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
                  scatter: bool = True, deterministic: bool = False) -> None:
         check_params(d_qk, heads, layout)
-        if deterministic and atomic_width != 4:
-            raise ValueError(f"atomic_width={atomic_width!r}: the deterministic mode adds int64 "
-                             "with the 4-wide lane trades; use atomic_width=4")
         super().__init__(d_qk, heads, layout, atomic_width=atomic_width, scatter=scatter,
-                         impl="wgmma")
+                         impl="wgmma", deterministic=deterministic)
         self.impl = IMPL
-        self.deterministic = deterministic
         self.fixed_full_lines = False  # measured: 14.80 -> 18.51 ms at H64 D576 with them
         self.gather_threads = WG_THREADS  # warpgroup 0 gathers
 
@@ -488,7 +483,7 @@ def compile_bwd_ws(arch: str, d_qk: int, heads: int, layout: str, atomic_width: 
     if impl != IMPL:
         raise ValueError(f"impl={impl!r}: this module builds impl={IMPL!r}; "
                          "compile_bwd_main builds the others")
-    check_params(d_qk, heads, layout, arch, deterministic)
+    check_params(d_qk, heads, layout, arch)
     fakes = fake_arguments(d_qk, heads, layout, deterministic)
     cls = {(False, "compact"): SparseMlaBwdWsCompact,
            (False, "noncompact"): SparseMlaBwdWsNoncompact,

@@ -27,12 +27,13 @@ def dkv_acc_column(col):
         | (((col >> 3) & 1) << 1) | (col & 1)
 
 
-def natural_order(width: int) -> list[int]:
+def natural_order(width: int, column=dkv_acc_column) -> list[int]:
     """For each natural column ``c < width``, its index in a ``dkv_acc`` row: ``acc[..., order]``
-    is dKV in natural order (``width`` a multiple of :data:`DKV_GROUP`)."""
+    is dKV in natural order (``width`` a multiple of :data:`DKV_GROUP`; ``column``:
+    :func:`dkv_acc_column`, or :func:`dkv_fixed_column` for the fixed-point accumulator)."""
     if width % DKV_GROUP:
         raise ValueError(f"width={width}: must be a multiple of {DKV_GROUP}")
-    return [dkv_acc_column(c) for c in range(width)]
+    return [column(c) for c in range(width)]
 
 
 def dkv_fixed_column(col):
@@ -40,13 +41,6 @@ def dkv_fixed_column(col):
     its group of 32, column ``8 j + 2 q + e`` at ``16 e + 8 (j % 2) + 4 (j // 2) + q``."""
     return ((col >> 5) << 5) | ((col & 1) << 4) | (((col >> 3) & 1) << 3) \
         | (((col >> 4) & 1) << 2) | ((col >> 1) & 3)
-
-
-def fixed_natural_order(width: int) -> list[int]:
-    """:func:`natural_order` of a fixed-point ``dkv_acc`` row."""
-    if width % DKV_GROUP:
-        raise ValueError(f"width={width}: must be a multiple of {DKV_GROUP}")
-    return [dkv_fixed_column(c) for c in range(width)]
 
 
 def fixed_vec_start(vec):

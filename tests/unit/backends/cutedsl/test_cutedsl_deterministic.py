@@ -21,7 +21,7 @@ from dsa_aot.build import build_and_publish
 from dsa_aot.cache.store import ArtifactStore
 from dsa_aot.identity import can_key_builds
 from dsa_aot.loader import DeterminismUnavailableError, Loader
-from dsa_aot.kernels.dkv_interleave import dkv_fixed_column, fixed_natural_order, fixed_vec_start
+from dsa_aot.kernels.dkv_interleave import dkv_fixed_column, fixed_vec_start, natural_order
 from dsa_aot.runners import d_sink_parts, fixed_point_scale
 from dsa_aot.specs.models import KernelSpec
 from dsa_aot.specs.toolchain import Toolchain
@@ -178,7 +178,7 @@ def test_fixed_point_column_order():
     """The kernel stores value i of 16-byte slot s of a 32-column group at 16 (i % 2) + 8 (i // 2)
     + s (a 128-byte line per 16 lanes); the fold reads natural column 8 vec + 2 q + e at start +
     16 e + q."""
-    order = fixed_natural_order(576)
+    order = natural_order(576, dkv_fixed_column)
     assert sorted(order) == list(range(576))
     for col in range(64):
         j, q, e = (col % 32) // 8, (col // 2) % 4, col % 2
@@ -189,7 +189,7 @@ def test_fixed_point_column_order():
             for e in range(2):
                 assert fixed_vec_start(vec) + 16 * e + q == dkv_fixed_column(8 * vec + 2 * q + e)
     with pytest.raises(ValueError, match="multiple of 32"):
-        fixed_natural_order(100)
+        natural_order(100, dkv_fixed_column)
 
 
 @pytest.fixture
