@@ -60,15 +60,16 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.utils import hopper_helpers as sm90_utils
 
 from dsa_aot.kernels.cutedsl_common import (D_V, VEC, quad_max, quad_sum, wg_acc_as_a,
                                             wg_rows_cols)
 from dsa_aot.kernels.cutedsl_fwd import (BLOCK_H, BLOCK_N, LOG2E, M_FLOOR, THREADS, WG_THREADS,
-                                         WS_ROWS_PER_PASS, check_params, gather_rows,
-                                         producer_idx, row_lse_and_factor,
-                                         ws_copies, ws_smem_layouts)
+                                         WS_ROWS_PER_PASS, SparseMlaFwd, compile_entry,
+                                         gather_rows, producer_idx, row_lse_and_factor, wg_gemm,
+                                         wg_mma, wg_smem_layouts, wg_storage, ws_copies)
 
+#: The ``impl`` name of this flavour.
+IMPL = "wgmma_split"
 #: 384 threads: two consumer warpgroups and the producer.
 SPLIT_THREADS = 3 * WG_THREADS
 #: setmaxnreg budgets: 2 * 216 + 72 = 3 * 168 (65536 registers / 384 threads).
@@ -85,14 +86,12 @@ BAR_OUT = (6, 7)
 _INF = float("inf")
 
 
-class SparseMlaFwdSplit:
-    """The ``wgmma_split`` forward for one ``(d_qk, heads, layout)`` (sm_90a only)."""
+class SparseMlaFwdSplit(SparseMlaFwd):
+    """The ``wgmma_split`` forward for one ``(d_qk, heads, layout)`` (sm_90a only; two KV
+    buffers)."""
 
-    def __init__(self, d_qk: int, heads: int, layout: str) -> None:
-        check_params(d_qk, heads, layout)
-        self.d_qk = d_qk
-        self.heads = heads
-        self.compact = layout == "compact"
+    IMPLS = (IMPL,)
+    NUM_SMS = True
 
     # ---------------------------------------------------------------------------------------
     # Host side
@@ -105,37 +104,24 @@ class SparseMlaFwdSplit:
                stream: cuda.CUstream) -> None:
         d = self.d_qk
         # Q, the two KV buffers, V^T of one half of the value columns in both, a P tile
-        s_q_layout, s_kv_layout, s_v_layout, s_p_layout = ws_smem_layouts(d, BLOCK_N, 2)
+        s_q_layout, s_kv_layout, s_v_layout, s_p_layout = wg_smem_layouts(d, BLOCK_N, 2)
         # P of warpgroup 1, and of warpgroup 0 unless it fits in buffer 0's RoPE columns
         p_tiles = 1 if d > D_V else 2
 
-        @cute.struct
-        class SharedStorage:
-            s_q: cute.struct.Align[cute.struct.MemRange[BFloat16,
-                                                         cute.cosize(s_q_layout.outer)], 1024]
-            s_kv: cute.struct.Align[cute.struct.MemRange[
-                BFloat16, cute.cosize(s_kv_layout.outer)], 1024]
-            s_p: cute.struct.Align[cute.struct.MemRange[
-                BFloat16, cute.cosize(s_p_layout.outer) * p_tiles], 1024]
-            s_max: cute.struct.Align[cute.struct.MemRange[Float32, BLOCK_H], 16]
-            s_sum: cute.struct.Align[cute.struct.MemRange[Float32, 4 * BLOCK_H], 16]
-            s_valid: cute.struct.Align[cute.struct.MemRange[Int32, 2 * BLOCK_N], 16]
-            # ready[buffer][half], free[buffer][half], Q ready, Q free
-            mbar: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 10], 8]
-
         _, kv_copy = ws_copies()  # the producer's 16-byte copies (Q and the gathered rows)
-        mma_s = sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            Float32, (1, 1, 1), (BLOCK_H, BLOCK_N))
+        mma_s = wg_mma(BLOCK_N, warpgroup.OperandMajorMode.K)
         # P V with the peer's P from shared memory, and with this warpgroup's P from registers
-        mma_pv = sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
-            Float32, (1, 1, 1), (BLOCK_H, HALF))
-        mma_pv_rs = sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
-            Float32, (1, 1, 1), (BLOCK_H, HALF), a_source=warpgroup.OperandSource.RMEM)
+        mma_pv = wg_mma(HALF, warpgroup.OperandMajorMode.MN)
+        mma_pv_rs = wg_mma(HALF, warpgroup.OperandMajorMode.MN,
+                           a_source=warpgroup.OperandSource.RMEM)
         s_q = cute.size(q, mode=[0])
         if s_q > 0:
+            SharedStorage = wg_storage(s_q_layout, s_kv_layout, s_p_layout, p_tiles,
+                                       s_max=(Float32, BLOCK_H, 16),
+                                       s_sum=(Float32, 4 * BLOCK_H, 16),
+                                       s_valid=(Int32, 2 * BLOCK_N, 16),
+                                       # ready[buffer][half], free[buffer][half], Q ready, Q free
+                                       mbar=(cutlass.Int64, 10, 8))
             self.kernel_split(q, kv, topk_idxs, topk_length, attn_sink, out, lse,
                               softmax_scale * Float32(LOG2E), s_q_layout, s_kv_layout,
                               s_v_layout, s_p_layout, kv_copy, mma_s, mma_pv, mma_pv_rs,
@@ -210,18 +196,14 @@ class SparseMlaFwdSplit:
                              q_ready, q_free, mma_s, mma_pv, mma_pv_rs, bid, grid, n_mine, tidx)
 
     def tile_rows(self, tile: Int32, m_idx: cute.Tensor, m_len: cute.Tensor) -> tuple:
-        """Tile ``tile``'s query row, head block and number of valid slots (call while
-        tracing). The head blocks of a row are neighbouring tiles of neighbouring CTAs, so
-        they run together and the second gather of the row's KV rows hits in L2."""
+        """Tile ``tile``'s query row, head block, number of valid slots and of pairs of blocks
+        (call while tracing). The head blocks of a row are neighbouring tiles of neighbouring
+        CTAs, so they run together and the second gather of the row's KV rows hits in L2."""
         n = head_blocks(self.heads)
         t, hb = tile, Int32(0)
         if n > 1:
             t, hb = tile // n, tile % n
-        topk = cute.size(m_idx, mode=[1])
-        n_valid = topk
-        if self.compact:
-            n_valid = cutlass.max(cutlass.min(m_len[t], topk), Int32(0))
-        return t, hb, n_valid
+        return t, hb, *self.row_slots(t, m_idx, m_len, 2 * BLOCK_N)
 
     # ---- producer ----------------------------------------------------------------------------
 
@@ -243,8 +225,7 @@ class SparseMlaFwdSplit:
         row_stride = m_kv.stride[0]
         pairs_done = Int32(0)  # blocks pairs of the earlier tiles: the mbarrier phases
         for i in cutlass.range(n_mine, unroll=1):
-            t, hb, n_valid = self.tile_rows(bid + i * grid, m_idx, m_len)
-            n_pairs = (n_valid + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
+            t, hb, n_valid, n_pairs = self.tile_rows(bid + i * grid, m_idx, m_len)
             # Q of this tile (head rows past ``heads`` zero-filled)
             t_g_q = thr_kv.partition_S(cute.local_tile(m_q[t, None, None], (BLOCK_H, d),
                                                        (hb, 0)))
@@ -316,8 +297,7 @@ class SparseMlaFwdSplit:
 
         pairs_done = Int32(0)  # block pairs of the earlier tiles: the mbarrier phases
         for i in cutlass.range(n_mine, unroll=1):
-            t, hb, n_valid = self.tile_rows(bid + i * grid, m_idx, m_len)
-            n_pairs = (n_valid + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
+            t, hb, _, n_pairs = self.tile_rows(bid + i * grid, m_idx, m_len)
             row_max.fill(M_FLOOR)
             row_sum.fill(0.0)
             acc_o.fill(0.0)
@@ -357,11 +337,7 @@ class SparseMlaFwdSplit:
                     cute.arch.fence_view_async_shared()  # P stores -> the peer's wgmma reads
                     cute.arch.barrier_arrive(barrier_id=BAR_P1, number_of_threads=THREADS)
                 # O += P V with this warpgroup's P from registers
-                warpgroup.fence()
-                for kk in cutlass.range_constexpr(BLOCK_N // 16):
-                    cute.gemm(mma_pv_rs, acc_o, r_pa[None, None, kk], r_v_rs[None, None, kk, w],
-                              acc_o)
-                warpgroup.commit_group()
+                wg_gemm(mma_pv_rs, acc_o, r_pa, r_v_rs, w, BLOCK_N // 16)
                 if cutlass.const_expr(w == 0):
                     warpgroup.wait_group(0)
                     cute.arch.mbarrier_arrive(free + 0)  # 0L: read by this P V last
@@ -570,10 +546,14 @@ class SparseMlaFwdSplitNoncompact(SparseMlaFwdSplit):
                     stream)
 
 
-def entry_class(layout: str) -> type:
-    """The ``wgmma_split`` entry point of ``layout``, built with ``(d_qk, heads, layout)``."""
-    return SparseMlaFwdSplitCompact if layout == "compact" else SparseMlaFwdSplitNoncompact
+def compile_fwd_split(arch: str, d_qk: int, heads: int, layout: str,
+                      kv_stages: int | None = None, impl: str = IMPL,
+                      extra_options: str = "") -> tuple[object, dict[str, object]]:
+    """``cute.compile`` this flavour for ``arch`` (sm_90a; ``CUTE_DSL_ARCH`` set before import);
+    see :func:`~dsa_aot.kernels.cutedsl_fwd.compile_entry`."""
+    return compile_entry(SparseMlaFwdSplitCompact, SparseMlaFwdSplitNoncompact, arch, d_qk,
+                         heads, layout, kv_stages, impl, extra_options)
 
 
-__all__ = ["SparseMlaFwdSplit", "SparseMlaFwdSplitCompact", "SparseMlaFwdSplitNoncompact",
-           "entry_class"]
+__all__ = ["IMPL", "SparseMlaFwdSplit", "SparseMlaFwdSplitCompact", "SparseMlaFwdSplitNoncompact",
+           "compile_fwd_split"]

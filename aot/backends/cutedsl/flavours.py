@@ -23,7 +23,9 @@ BWD_MAIN_HEADS: dict[str, tuple[int, ...]] = {"wgmma_slot_major": BWD_SLOT_MAJOR
                                               "wgmma_ws": BWD_WS_HEADS}
 #: Kernel module and compile function of each stage (``f(arch, **params)`` returns ``(compiled,
 #: fake_arguments)``); :data:`FLAVOUR_KERNELS` overrides it for a flavour with a module of its own.
-#: A spec's key and runtime identity cover exactly the module its build imports.
+#: A spec's key and runtime identity cover exactly the module its build imports (and what that
+#: imports), so every forward flavour is built by its own module: ``compile_fwd`` builds any of
+#: them, and a key rooted there would cover them all.
 KERNELS: dict[str, tuple[str, str]] = {
     "fwd": ("dsa_aot.kernels.cutedsl_fwd", "compile_fwd"),
     "bwd_preprocess": ("dsa_aot.kernels.cutedsl_bwd_preprocess", "compile_bwd_preprocess"),
@@ -31,6 +33,11 @@ KERNELS: dict[str, tuple[str, str]] = {
     "bwd_postprocess": ("dsa_aot.kernels.cutedsl_bwd_postprocess", "compile_bwd_postprocess"),
 }
 FLAVOUR_KERNELS: dict[tuple[str, str], tuple[str, str]] = {
+    ("fwd", "mma"): ("dsa_aot.kernels.cutedsl_fwd_mma", "compile_fwd_mma"),
+    ("fwd", "wgmma"): ("dsa_aot.kernels.cutedsl_fwd_wgmma", "compile_fwd_wgmma"),
+    ("fwd", "wgmma_pipe"): ("dsa_aot.kernels.cutedsl_fwd_wgmma", "compile_fwd_wgmma"),
+    ("fwd", "wgmma_ws"): ("dsa_aot.kernels.cutedsl_fwd_ws", "compile_fwd_ws"),
+    ("fwd", "wgmma_split"): ("dsa_aot.kernels.cutedsl_fwd_split", "compile_fwd_split"),
     ("bwd_main", "wgmma_slot_major"): ("dsa_aot.kernels.cutedsl_bwd_slot_major",
                                        "compile_bwd_slot_major"),
     ("bwd_main", "wgmma_ws"): ("dsa_aot.kernels.cutedsl_bwd_ws", "compile_bwd_ws"),

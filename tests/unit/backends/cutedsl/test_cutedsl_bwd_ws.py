@@ -140,7 +140,7 @@ def test_the_forward_keeps_its_own_wgmma_ws() -> None:
         spec = _spec(heads, op="fwd")
         (fwd,) = requests_for(spec, ("fwd",))
         assert (fwd.kernel, fwd.impl, fwd.compile_params["impl"]) == ("fwd", IMPL, IMPL)
-        assert backend.kernel_sources(spec) == ("dsa_aot.kernels.cutedsl_fwd",)
+        assert backend.kernel_sources(spec) == ("dsa_aot.kernels.cutedsl_fwd_ws",)
         backend.check_spec(spec)
 
 

@@ -52,6 +52,28 @@ def test_fwd_flavour_and_num_stages_become_impl_and_kv_stages(flavour: str, num_
     assert req.compile_params["kv_stages"] == (num_stages or FWD_DEFAULT_KV_STAGES[flavour])
 
 
+#: The forward's kernel module per flavour: one kernel class each, over the shared module.
+FWD_MODULES = {"mma": "cutedsl_fwd_mma", "wgmma": "cutedsl_fwd_wgmma",
+               "wgmma_pipe": "cutedsl_fwd_wgmma", "wgmma_ws": "cutedsl_fwd_ws",
+               "wgmma_split": "cutedsl_fwd_split"}
+
+
+@pytest.mark.parametrize("flavour", [*FWD_MODULES, None])
+def test_fwd_flavour_keys_its_own_module(flavour: str | None) -> None:
+    """A forward spec's key and runtime identity cover its flavour's module and what that
+    imports (the shared forward module, the common helpers), not the other flavours'."""
+    from dsa_aot.specs.sources import module_sources
+
+    backend = get_backend("cutedsl")
+    spec = _spec("fwd", flavour=flavour)
+    module = FWD_MODULES[flavour or FWD_DEFAULT_IMPL["sm_90a"]]
+    assert backend.kernel_sources(spec) == (f"dsa_aot.kernels.{module}",)
+    kernels = {name for name in module_sources(backend.source_modules(spec))
+               if name.startswith("dsa_aot/kernels/cutedsl_")}
+    assert kernels == {f"dsa_aot/kernels/{module}.py", "dsa_aot/kernels/cutedsl_fwd.py",
+                       "dsa_aot/kernels/cutedsl_common.py"}
+
+
 @pytest.mark.parametrize("flavour", ["mma", "wgmma", "wgmma_ws"])
 def test_bwd_flavour_becomes_the_main_stage_impl(flavour: str) -> None:
     pre, main, post = requests_for(_spec("bwd", flavour=flavour), BWD_STAGES)
