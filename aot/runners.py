@@ -169,7 +169,7 @@ class StagedBwd(BwdKernel):
 
     #: The tensors a backward call has, in the order :meth:`__call__` collects them.
     TENSORS = ("q", "kv", "out", "dout", "lse", "topk_idxs", "topk_length", "attn_sink", "delta",
-               "lse_sink", "dq", "dkv", "dkv_acc", "dkv_scale", "d_sink_acc", "d_sink")
+               "lse_sink", "dq", "dkv", "dkv_acc", "dkv_max", "dkv_scale", "d_sink_acc", "d_sink")
 
     def __init__(self, pre: BwdStage, main: BwdStage, post: BwdStage, spec: KernelSpec | SpecFields) -> None:
         from dsa_aot.backends.tilelang.launch import CubinKernel  # ctypes only; no compiler
@@ -191,20 +191,22 @@ class StagedBwd(BwdKernel):
         dkv = torch.empty((s_kv, d_qk), dtype=torch.bfloat16, device=dev)
         if self.spec.deterministic:
             dkv_acc = torch.zeros((s_kv, d_qk), dtype=torch.int64, device=dev)
-            dkv_scale = fixed_point_scale(q, kv, out, dout, softmax_scale)
+            # the preprocess finds the maxima and writes dkv_scale (fixed_point_scale's rule)
+            work = torch.zeros(8, dtype=torch.int32, device=dev)
+            dkv_max, dkv_scale = work[:5], work[6:].view(torch.float32)
             d_sink_acc = torch.empty((d_sink_parts(s_q), heads), dtype=torch.float32, device=dev)
             d_sink = torch.empty((heads,), dtype=torch.float32, device=dev)
         else:
             dkv_acc = torch.zeros((s_kv, d_qk), dtype=torch.float32, device=dev)
-            dkv_scale = d_sink_acc = None
+            dkv_max = dkv_scale = d_sink_acc = None
             d_sink = torch.zeros((heads,), dtype=torch.float32, device=dev)
         tensors = (q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, delta, lse_sink, dq, dkv,
-                   dkv_acc, dkv_scale, d_sink_acc, d_sink)
+                   dkv_acc, dkv_max, dkv_scale, d_sink_acc, d_sink)
         scalars = {"softmax_scale": softmax_scale, "s_q": s_q, "s_kv": s_kv, "topk": topk_idxs.shape[1]}
         args: dict[str, int | float] = {}
         if self._cubin:  # cubin stages take every pointer by name
             args = {name: _ptr(t) for name, t in zip(self.TENSORS, tensors)
-                    if t is not None or name not in ("d_sink_acc", "dkv_scale")}
+                    if t is not None or name not in ("d_sink_acc", "dkv_max", "dkv_scale")}
             args.update(scalars)
         stream = current_stream(dev)
         for kernel, names in self._stages:
@@ -228,25 +230,30 @@ _FIXED_BITS = 61
 
 def fixed_point_scale(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
                       softmax_scale: float) -> torch.Tensor:
-    """The deterministic backward's fixed-point scale: ``[2^k, 2^-k]`` fp32 on ``q``'s device,
-    computed there (no host sync). The main kernel adds ``rni(v * 2^k)`` as int64, the fold
-    multiplies the sums by ``2^-k``.
+    """The deterministic backward's fixed-point scale ``[2^k, 2^-k]`` (fp32, on ``q``'s device),
+    in torch: the reference of what the deterministic preprocess kernel computes on the GPU
+    (:mod:`dsa_aot.kernels.cutedsl_bwd_preprocess`; same arithmetic, same order, so the same
+    bits). The main kernel adds ``rni(v * 2^k)`` as int64, the fold multiplies the sums by
+    ``2^-k``.
 
     ``k`` is chosen from a bound ``B`` on every partial sum of dkv, so no sum can overflow:
     per element, a (row, head, slot) adds ``dS q + P dO`` with ``0 <= P <= 1``, ``sum_slots P <=
     1`` per (row, head), and ``|dS| <= P (|dP| + |delta|) scale <= P 512 max|dout| (max|kv| +
     max|out|) scale``; over all rows and heads ``B = 2 s_q H (512 max|dout| (max|kv| + max|out|)
-    scale max|q| + max|dout|)`` (2x margin for rounding). ``2^k`` is the largest power of two
-    with ``B 2^k <= 2^61``: each value is rounded to ``2^-k`` (~``2^-61 B``), finer than fp32's
-    ``2^-24 |sum|`` for any sum above ``2^-37 B``. A non-finite input (or a bound beyond
-    ``2^181``, which fp32 products of such inputs would overflow anyway) leaves no safe scale: the
-    multiplier is then 1 and the inverse NaN, so dkv is NaN, as a fast call's would be.
+    scale max|q| + max|dout|)`` (2x margin for rounding; fp64; ``scale`` as the fp32 the kernels
+    get). ``2^k`` is the largest power of two with ``B 2^k <= 2^61`` (``ceil(log2 B)`` exactly,
+    from ``frexp``): each value is rounded to ``2^-k`` (~``2^-61 B``), finer than fp32's ``2^-24
+    |sum|`` for any sum above ``2^-37 B``. A non-finite input (or a bound beyond ``2^181``, which
+    fp32 products of such inputs would overflow anyway) leaves no safe scale: the multiplier is
+    then 1 and the inverse NaN, so dkv is NaN, as a fast call's would be.
     """
     maxes = torch.stack([_abs_max(t) for t in (q, kv, out, dout)]).double()
     m_q, m_kv, m_out, m_dout = maxes.unbind()
     s_q, heads = q.shape[0], q.shape[1]
-    bound = 2.0 * s_q * heads * (D_V * m_dout * (m_kv + m_out) * abs(softmax_scale) * m_q + m_dout)
-    exp = torch.ceil(torch.log2(bound.clamp_min(2.0 ** -100)))
+    scale = abs(torch.tensor(softmax_scale, dtype=torch.float32).item())
+    bound = 2.0 * s_q * heads * (D_V * m_dout * (m_kv + m_out) * scale * m_q + m_dout)
+    mant, exp = torch.frexp(bound.clamp_min(2.0 ** -100))  # bound = mant 2^exp, 0.5 <= mant < 1
+    exp = (exp - (mant == 0.5).int()).double()  # ceil(log2 bound)
     k = torch.clamp(_FIXED_BITS - exp, max=120.0)
     ok = torch.isfinite(bound) & (k >= -120.0)  # fp32 holds 2^k and 2^-k
     k = torch.where(ok, k, torch.zeros_like(k))

@@ -3,8 +3,8 @@
     DSA_AOT_PREBUILT_DIR=<prebuilt cache> python bench/bench_deterministic.py --out bench/results/h200_deterministic.json
 
 For each row (the DeepSeek shapes of the backward benchmark: S_q 4096, S_kv 8192): the CuTe DSL
-backward's fast mode (fp32 atomics into one dkv accumulator) and its deterministic mode (per-CTA
-dkv added as int64 fixed point, d_sink partial sums added in a fixed order) through the public API,
+backward's fast mode (fp32 atomics into one dkv accumulator) and its deterministic mode (dkv
+added as int64 fixed point into one accumulator, d_sink partial sums added in a fixed order) through the public API,
 CUDA events, median of ``--reps`` after warm-up, interleaved rounds (the best round per mode); how
 far two fast calls differ (bits), whether ``--repeat`` deterministic calls agree bit for bit, both
 modes' relative difference to each other and to the fp32 torch reference (dkv), and the

@@ -15,8 +15,9 @@ and scored:
   zero-filled and flagged), ``S = Q K^T`` and ``dP = dO V^T`` (64 heads x 64 slots, k-steps
   interleaved, the first overwriting: wgmma scale-d 0), ``P = exp2(S scale log2 e - lse)``
   (invalid slots ``-inf`` before the ``exp2``), ``dS = P (dP - delta) scale``; stores ``P`` and
-  ``dS`` (bf16) for warpgroup 1 and accumulates ``dQ`` columns 0-255 with ``dS`` straight from
-  its registers (the A operand);
+  ``dS`` (bf16) for warpgroup 1 and accumulates ``dQ`` columns 0-255 (0-319 in the deterministic
+  mode at D 576: :data:`SCORE_DQ_TILES_DETERMINISTIC`) with ``dS`` straight from its registers
+  (the A operand);
 * warpgroup 1, *dKV*: accumulates the other ``dQ`` columns (``dS`` from shared memory), then
   ``dKV = dS^T Q + P^T dO`` in 64-column chunks (9 at D 576, 8 at D 512: no padding), the chunk
   GEMMs alternating between two 32-register accumulators so that chunk ``c``'s MMAs overlap
@@ -44,7 +45,8 @@ Deterministic mode (``deterministic=True``): ``dkv_acc`` is int64 and every dKV 
 the fixed-point integer ``rni(v * dkv_scale[0])`` (:meth:`SparseMlaBwdMain.scatter_chunk`):
 integer adds commute, so the sum has the same bits whatever order the CTAs add in. Nothing
 else changes (dQ is a per-row register sum, fixed order). The caller picks the multiplier so
-that no partial sum can overflow (``dsa_aot.runners.fixed_point_scale``).
+that no partial sum can overflow (the deterministic preprocess; ``dsa_aot.runners.fixed_point_scale``
+is its torch reference).
 
 This module imports ``cutlass``: use it in a build process only.
 """
@@ -76,8 +78,11 @@ WG_THREADS = 128
 THREADS = 2 * WG_THREADS
 #: dQ column tile and dKV column chunk (MMA N): one 64-wide 128-byte swizzle atom.
 TILE = 64
-#: dQ column tiles of warpgroup 0 (the rest are warpgroup 1's).
+#: dQ column tiles of warpgroup 0 (the rest are warpgroup 1's) ...
 SCORE_DQ_TILES = 4
+#: ... and in the deterministic mode at D 576, where warpgroup 1's int64 adds would otherwise
+#: spill (120 bytes a thread with 4; none with 5): 14.43 -> 14.10 ms at H64 D576 on the H200.
+SCORE_DQ_TILES_DETERMINISTIC = 5
 #: Named barriers (0 is __syncthreads): the three hand-offs, and warpgroup 0's own.
 BAR_PDS_FULL, BAR_PDS_EMPTY, BAR_KV_EMPTY, BAR_SCORE = 1, 2, 3, 4
 
@@ -151,6 +156,8 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                          impl="wgmma", deterministic=deterministic)
         self.impl = IMPL
         self.fixed_full_lines = False  # measured: 14.80 -> 18.51 ms at H64 D576 with them
+        self.score_dq_tiles = (SCORE_DQ_TILES_DETERMINISTIC if deterministic and d_qk == 576
+                               else SCORE_DQ_TILES)
         self.gather_threads = WG_THREADS  # warpgroup 0 gathers
 
     # ---------------------------------------------------------------------------------------
@@ -285,7 +292,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                         m_idx: cute.Tensor, m_dq: cute.Tensor, softmax_scale: Float32,
                         sm: dict, gather_args: list, mma_s: cute.TiledMma,
                         mma_dq: cute.TiledMma, wtid: Int32) -> None:
-        """Warpgroup 0 over the row's blocks: S, dP, P, dS, dQ columns 0-255, the gathers."""
+        """Warpgroup 0 over the row's blocks: S, dP, P, dS, its dQ tiles, the gathers."""
         d = self.d_qk
         scale_log2 = softmax_scale * Float32(LOG2E)
         mma_dq.set(warpgroup.Field.ACCUMULATE, True)
@@ -295,13 +302,14 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         r_do = mma_s.make_fragment_A(wg_s.partition_A(sm["do"]))     # (MMA, 1, 32)
         r_k = mma_s.make_fragment_B(wg_s.partition_B(sm["kv"]))      # (MMA, 1, d/16)
         r_kt = [mma_dq.make_fragment_B(wg_dq.partition_B(                # (MMA, 1, 4) each
-            cute.local_tile(sm["kt"], (TILE, BLOCK_N), (i, 0)))) for i in range(SCORE_DQ_TILES)]
+            cute.local_tile(sm["kt"], (TILE, BLOCK_N), (i, 0))))
+            for i in range(self.score_dq_tiles)]
         thr_s = mma_s.get_slice(wtid)
         thr_dq = mma_dq.get_slice(wtid)
         acc_shape = thr_s.partition_shape_C((BLOCK_H, BLOCK_N))
         acc_dq = [cute.make_rmem_tensor(thr_dq.partition_shape_C((BLOCK_H, TILE)), Float32)
-                  for _ in range(SCORE_DQ_TILES)]
-        for i in cutlass.range_constexpr(SCORE_DQ_TILES):
+                  for _ in range(self.score_dq_tiles)]
+        for i in cutlass.range_constexpr(self.score_dq_tiles):
             acc_dq[i].fill(0.0)
         coords = wg_rows_cols(thr_s.partition_C(cute.make_identity_tensor((BLOCK_H, BLOCK_N))))
         rows_per_thread = cute.size(coords, mode=[0])
@@ -351,10 +359,10 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
             cute.arch.fence_view_async_shared()  # P / dS stores -> warpgroup 1's wgmma reads
             cute.arch.barrier_arrive(barrier_id=BAR_PDS_FULL, number_of_threads=THREADS)
 
-            # dQ[:, 0:256] += dS K, dS from registers
+            # dQ of its tiles += dS K, dS from registers
             r_dsa = wg_acc_as_a(r_ds16)
             warpgroup.fence()
-            for i in cutlass.range_constexpr(SCORE_DQ_TILES):
+            for i in cutlass.range_constexpr(self.score_dq_tiles):
                 for k in cutlass.range_constexpr(BLOCK_N // 16):
                     cute.gemm(mma_dq, acc_dq[i], r_dsa[None, None, k], r_kt[i][None, None, k],
                               acc_dq[i])
@@ -373,10 +381,10 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
     def dkv_warpgroup(self, t: Int32, hb: Int32, n_blocks: Int32, m_dq: cute.Tensor,
                       m_dkv: cute.Tensor, m_scale: cute.Tensor, sm: dict, mma_dq: cute.TiledMma,
                       mma_kv: cute.TiledMma, wtid: Int32) -> None:
-        """Warpgroup 1 over the row's blocks: dQ columns 256 on, dKV chunks and their atomics
+        """Warpgroup 1 over the row's blocks: the other dQ tiles, dKV chunks and their atomics
         (``m_scale``: the deterministic mode's ``dkv_scale``; unused otherwise)."""
         d = self.d_qk
-        n_dq = d // TILE - SCORE_DQ_TILES
+        n_dq = d // TILE - self.score_dq_tiles
         n_chunks = d // TILE
         n_v_chunks = D_V // TILE
         lane = cute.arch.lane_idx()
@@ -385,7 +393,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         wg_kv = mma_kv.get_slice(0)
         r_ds = mma_dq.make_fragment_A(wg_dq.partition_A(sm["ds"]))   # (MMA, 1, 4)
         r_kt = [mma_dq.make_fragment_B(wg_dq.partition_B(                 # (MMA, 1, 4) each
-            cute.local_tile(sm["kt"], (TILE, BLOCK_N), (SCORE_DQ_TILES + i, 0))))
+            cute.local_tile(sm["kt"], (TILE, BLOCK_N), (self.score_dq_tiles + i, 0))))
             for i in range(n_dq)]
         r_dst = mma_kv.make_fragment_A(wg_kv.partition_A(sm["dst"]))  # (MMA, 1, 4)
         r_pt = mma_kv.make_fragment_A(wg_kv.partition_A(sm["pt"]))    # (MMA, 1, 4)
@@ -442,7 +450,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
             self.scatter_chunk(wg_rows_cols(acc_kv[(n_chunks - 1) % 2]), kv_coords, row_ok,
                                row_ptr, (n_chunks - 1) * TILE, lane, mult=mult)
 
-        self.store_dq(t, hb, m_dq, acc_dq, thr_dq, SCORE_DQ_TILES)
+        self.store_dq(t, hb, m_dq, acc_dq, thr_dq, self.score_dq_tiles)
 
     @cute.jit
     def store_dq(self, t: Int32, hb: Int32, m_dq: cute.Tensor, acc_dq: list,

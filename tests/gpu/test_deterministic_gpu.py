@@ -20,6 +20,7 @@ import torch
 import dsa_aot
 from dsa_aot import settings
 from dsa_aot.kernels.reference import sparse_mla_bwd_ref
+from dsa_aot.runners import d_sink_parts, fixed_point_scale
 
 from test_sparse_mla_gpu import inputs, poison, rel
 
@@ -199,3 +200,49 @@ def test_a_nan_input_gives_a_nan_dkv_as_the_fast_mode_does():
     dout[3, 5, 7] = float("nan")
     dq, dkv, _ = det_bwd(q, kv, out, dout, lse, idx, length, sink)
     assert torch.isnan(dkv).all()  # the bound is NaN: no finite value is claimed
+
+
+def preprocess_scale(q, kv, out, dout, lse, sink, scale) -> torch.Tensor:
+    """``dkv_scale`` as the loaded deterministic preprocess computes it (that stage alone)."""
+    s_q, h, d = q.shape
+    kernel = dsa_aot.ops._kernel("bwd", q.device, d, h, "noncompact", True)
+    work = torch.zeros(8, dtype=torch.int32, device="cuda")
+    delta = torch.empty((s_q, h), dtype=torch.float32, device="cuda")
+    parts = torch.empty((d_sink_parts(s_q), h), dtype=torch.float32, device="cuda")
+    kernel.pre(out=out, dout=dout, lse=lse, attn_sink=sink, delta=delta, lse_sink=torch.empty_like(delta),
+               d_sink_acc=parts, q=q, kv=kv, dkv_max=work[:5], dkv_scale=work[6:].view(torch.float32),
+               softmax_scale=scale)
+    torch.cuda.synchronize()
+    assert work[4].item() == parts.shape[0] * -(-h // 4)  # every CTA took a ticket
+    return work[6:].view(torch.float32).clone()
+
+
+@pytest.mark.parametrize("h,d,s_q,s_kv", [(64, 576, 4096, 8192), (16, 512, 1, 95), (128, 576, 300, 1000),
+                                          (32, 512, 7000, 70000)])
+def test_the_preprocess_computes_the_reference_scale_on_the_gpu(h, d, s_q, s_kv):
+    """The deterministic preprocess finds max |q|, |kv|, |out|, |dout| with integer atomics and
+    its last CTA turns them into ``[2^k, 2^-k]``: bit for bit what ``fixed_point_scale`` gives,
+    for plain, scaled, all-zero, NaN, infinite and out-of-range inputs."""
+    q, kv, idx, length, sink, dout = inputs(min(s_q, 512), min(s_kv, 4096), h, d, 64, seed=11)
+    out, lse = forward(q, kv, idx, length, sink)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn((s_q, h, d), generator=g, device="cuda").bfloat16()
+    kv = torch.randn((s_kv, d), generator=g, device="cuda").bfloat16()
+    out = out.repeat(-(-s_q // out.shape[0]), 1, 1)[:s_q].contiguous()
+    dout = torch.randn((s_q, h, 512), generator=g, device="cuda").bfloat16()
+    lse = lse.repeat(-(-s_q // lse.shape[0]), 1)[:s_q].contiguous()
+    scale = d ** -0.5
+    kv_spike = kv.clone()
+    kv_spike[s_kv - 1, d - 1] = -300.0  # the largest |kv| in the last row, last column
+    cases = {"plain": (q, kv, out, dout), "scaled": (q * 1e3, kv * 1e-2, out, dout * 7),
+             "kv spike": (q, kv_spike, out, dout),
+             "zero q": (torch.zeros_like(q), kv, out, dout), "all zero": tuple(torch.zeros_like(t) for t in (q, kv, out, dout)),
+             "huge": (q.clone().fill_(2.0 ** 120), kv.clone().fill_(2.0 ** 120), out, dout)}
+    for name, value in (("nan q", float("nan")), ("inf kv", float("inf"))):
+        bad_q, bad_kv = q.clone(), kv.clone()
+        (bad_q if name == "nan q" else bad_kv).view(-1)[-1] = value
+        cases[name] = (bad_q, bad_kv, out, dout)
+    for name, (q_, kv_, out_, dout_) in cases.items():
+        got = preprocess_scale(q_, kv_, out_, dout_, lse, sink, scale)
+        want = fixed_point_scale(q_, kv_, out_, dout_, scale)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (name, got.tolist(), want.tolist())

@@ -86,6 +86,9 @@ def test_build_records_the_deterministic_abi(tmp_path):
     assert all(r.deterministic and r.name.endswith("_det_static") for r in records.values())
     tensors = {name: {a.name: len(a.shape) for a in r.args if a.kind == "tensor"} for name, r in records.items()}
     assert tensors["bwd_preprocess"]["d_sink_acc"] == 2 and "d_sink" not in tensors["bwd_preprocess"]
+    assert {n: tensors["bwd_preprocess"][n] for n in ("q", "kv", "dkv_max", "dkv_scale")} == \
+        {"q": 3, "kv": 2, "dkv_max": 1, "dkv_scale": 1}  # the preprocess computes the scale
+    assert [a.name for a in records["bwd_preprocess"].args if a.kind == "scalar"] == ["softmax_scale"]
     assert tensors["bwd_main"]["dkv_acc"] == 2 and tensors["bwd_main"]["dkv_scale"] == 1
     assert tensors["bwd_postprocess"] == {"dkv_acc": 2, "dkv_scale": 1, "dkv": 2, "d_sink_acc": 2,
                                           "d_sink": 1}
@@ -172,6 +175,18 @@ def test_fixed_point_scale_edge_cases():
     huge = q.clone().fill_(2.0 ** 120)  # the bound (~2^260) is beyond what fp32 scales can hold
     mult, unit = fixed_point_scale(huge, kv.clone().fill_(2.0 ** 120), out, ones, 0.04).tolist()
     assert mult == 1.0 and unit != unit
+
+
+@pytest.mark.parametrize("m_dout,k", [(1.0, 54), (1.5, 53), (0.5, 55)])
+def test_fixed_point_scale_rounds_the_bound_up_to_a_power_of_two_exactly(m_dout, k):
+    """``ceil(log2 B)`` comes from the bits of ``B`` (as in the preprocess kernel), exact at
+    powers of two: with ``q`` and ``out`` zero, ``B = 2 s_q H max|dout|`` = 128 * max|dout|."""
+    q = torch.zeros((4, 16, 576), dtype=torch.bfloat16)
+    kv = torch.ones((8, 576), dtype=torch.bfloat16)
+    out = torch.zeros((4, 16, 512), dtype=torch.bfloat16)
+    dout = torch.full((4, 16, 512), m_dout, dtype=torch.bfloat16)
+    mult, unit = fixed_point_scale(q, kv, out, dout, 0.04).tolist()
+    assert (mult, unit) == (2.0 ** k, 2.0 ** -k)
 
 
 def test_fixed_point_column_order():
