@@ -42,7 +42,8 @@ only by ``S^T``, ``dP^T`` and ``dQ^T``: once both warpgroups are past ``dQ^T`` t
 chunk GEMMs and their atomics run. Not chosen: one warpgroup per CTA over 64-slot blocks (two
 CTAs per SM at H 16, but 144 dQ accumulator registers a thread at H 32, and half the warps).
 
-Status: compiled and inspected for sm_90a on CPU; not yet run on a GPU.
+Status: the sm_90a default at H16/H32, checked on the H200 by the GPU suites (fast and
+deterministic modes) and timed by ``bench/`` (``bench/results/h200_bwd_versions.md``).
 
 Deterministic mode (``deterministic=True``): ``dkv_acc`` is int64 and every dKV value is added as
 the fixed-point integer ``rni(v * dkv_scale[0])`` (:meth:`SparseMlaBwdMain.scatter_chunk`), as in
