@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dsa_aot.kernels.dkv_interleave import FIXED_BITS, FIXED_K_LIMIT
 from dsa_aot.specs.shapes import D_V, SpecFields
 
 if TYPE_CHECKING:
@@ -224,10 +225,6 @@ def d_sink_parts(s_q: int) -> int:
     return max(1, min(1024, -(-s_q // 16)))
 
 
-#: Bits of headroom the fixed-point dkv keeps below int64's 63: partial sums stay below 2^61.
-_FIXED_BITS = 61
-
-
 def fixed_point_scale(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
                       softmax_scale: float) -> torch.Tensor:
     """The deterministic backward's fixed-point scale ``[2^k, 2^-k]`` (fp32, on ``q``'s device),
@@ -254,8 +251,8 @@ def fixed_point_scale(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout
     bound = 2.0 * s_q * heads * (D_V * m_dout * (m_kv + m_out) * scale * m_q + m_dout)
     mant, exp = torch.frexp(bound.clamp_min(2.0 ** -100))  # bound = mant 2^exp, 0.5 <= mant < 1
     exp = (exp - (mant == 0.5).int()).double()  # ceil(log2 bound)
-    k = torch.clamp(_FIXED_BITS - exp, max=120.0)
-    ok = torch.isfinite(bound) & (k >= -120.0)  # fp32 holds 2^k and 2^-k
+    k = torch.clamp(FIXED_BITS - exp, max=float(FIXED_K_LIMIT))
+    ok = torch.isfinite(bound) & (k >= -FIXED_K_LIMIT)  # fp32 holds 2^k and 2^-k
     k = torch.where(ok, k, torch.zeros_like(k))
     mult = torch.exp2(k)
     unit = torch.where(ok, torch.exp2(-k), torch.full_like(k, float("nan")))

@@ -41,6 +41,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Float64, Int32, Int64
 from cutlass._mlir.dialects import llvm
 
+from dsa_aot.kernels.dkv_interleave import FIXED_BITS, FIXED_K_LIMIT
+
 #: Value head dim of MLA; the only size that is fixed at compile time.
 D_V = 512
 #: bf16 elements per 16-byte vector load.
@@ -54,10 +56,6 @@ _INF = float("inf")
 
 #: ``dkv_max`` words: the bits of max |q|, |kv|, |out|, |dout|, then the CTA ticket counter.
 MAX_Q, MAX_KV, MAX_OUT, MAX_DOUT, TICKET = range(5)
-#: Headroom of the fixed-point sums below int64's 63 bits (``dsa_aot.runners._FIXED_BITS``).
-FIXED_BITS = 61
-#: ``k`` is kept within fp32's normal exponents with room: |k| <= 120.
-K_LIMIT = 120
 
 
 def _abs_bits(x: Float32) -> Int32:
@@ -115,7 +113,6 @@ class SparseMlaBwdPreprocess:
             raise ValueError("use_isfinite=True, but this CuTe DSL has no cute.math.isfinite "
                              "(added in nvidia-cutlass-dsl 4.6); build with use_isfinite=False")
         self.use_isfinite = use_isfinite
-        self.deterministic = False
 
     def _finite(self, x: Float32) -> Boolean:
         if self.use_isfinite:
@@ -135,8 +132,6 @@ class SparseMlaBwdPreprocess:
         s_q = cute.size(out, mode=[0])
         heads = cute.size(out, mode=[1])
         ctas = (s_q + ROWS_PER_CTA - 1) // ROWS_PER_CTA
-        if cutlass.const_expr(self.deterministic):
-            ctas = cute.size(d_sink, mode=[0])
         if s_q > 0:
             self.kernel(out, dout, lse, attn_sink, delta, lse_sink, d_sink).launch(
                 grid=[ctas, (heads + WARPS - 1) // WARPS, 1],
@@ -154,19 +149,32 @@ class SparseMlaBwdPreprocess:
         ctas, _, _ = cute.arch.grid_dim()
         h = by * WARPS + warp
         if h < heads:
-            sink = attn_sink[h]
-            acc = Float32(0.0)
-            n_chunks = (s_q + ROWS_PER_CTA - 1) // ROWS_PER_CTA
-            # fast: chunk bx only; deterministic: chunks bx, bx + ctas, ... in order
-            for chunk in cutlass.range(bx, n_chunks, ctas, unroll=1):
-                row_end = cutlass.min(chunk * ROWS_PER_CTA + ROWS_PER_CTA, s_q)
-                for t in cutlass.range(chunk * ROWS_PER_CTA, row_end):
-                    acc = acc - self.row(out, dout, lse, delta, lse_sink, sink, t, h, lane)
+            acc = self.sum_rows(out, dout, lse, attn_sink, delta, lse_sink, h, lane, bx, ctas)
             if lane == 0:
-                if cutlass.const_expr(self.deterministic):
-                    d_sink[bx, h] = acc
-                else:
-                    cute.arch.atomic_add((d_sink.iterator + h).llvm_ptr, acc)
+                cute.arch.atomic_add((d_sink.iterator + h).llvm_ptr, acc)
+
+    @cute.jit
+    def sum_rows(self, out: cute.Tensor, dout: cute.Tensor, lse: cute.Tensor,
+                 attn_sink: cute.Tensor, delta: cute.Tensor, lse_sink: cute.Tensor, h: Int32,
+                 lane: Int32, first: Int32, step: Int32, peaks: cute.Tensor = None,
+                 q: cute.Tensor = None) -> Float32:
+        """:meth:`row` over chunks ``first, first + step, ...`` of head ``h``'s rows, in order
+        (fast: one chunk per CTA); returns ``-sum p_sink * delta``. With ``peaks`` and ``q``
+        (deterministic mode), also folds the bits of this lane's ``|q|`` into ``peaks[MAX_Q]``."""
+        s_q = cute.size(out, mode=[0])
+        sink = attn_sink[h]
+        acc = Float32(0.0)
+        n_chunks = (s_q + ROWS_PER_CTA - 1) // ROWS_PER_CTA
+        for chunk in cutlass.range(first, n_chunks, step, unroll=1):
+            row_end = cutlass.min(chunk * ROWS_PER_CTA + ROWS_PER_CTA, s_q)
+            for t in cutlass.range(chunk * ROWS_PER_CTA, row_end):
+                acc = acc - self.row(out, dout, lse, delta, lse_sink, sink, t, h, lane, peaks)
+                if cutlass.const_expr(q is not None):
+                    q_row = q[t, h, None]
+                    for v in cutlass.range(lane, cute.size(q, mode=[2]) // VEC, 32, unroll=1):
+                        vec = cute.local_tile(q_row, (VEC,), (v,)).load().to(Float32)
+                        peaks[MAX_Q] = _peak(vec, peaks[MAX_Q])
+        return acc
 
     @cute.jit
     def row(self, out: cute.Tensor, dout: cute.Tensor, lse: cute.Tensor, delta: cute.Tensor,
@@ -211,10 +219,6 @@ class SparseMlaBwdPreprocessDeterministic(SparseMlaBwdPreprocess):
     and the CTAs together compute ``dkv_scale`` from ``max |q|``, ``|kv|``, ``|out|``, ``|dout|``
     (``dkv_max``: five zeroed int32, see the module doc)."""
 
-    def __init__(self, use_isfinite: bool) -> None:
-        super().__init__(use_isfinite)
-        self.deterministic = True
-
     @cute.jit
     def __call__(self, out: cute.Tensor, dout: cute.Tensor, lse: cute.Tensor,
                  attn_sink: cute.Tensor, delta: cute.Tensor, lse_sink: cute.Tensor,
@@ -244,17 +248,8 @@ class SparseMlaBwdPreprocessDeterministic(SparseMlaBwdPreprocess):
         peaks = cute.make_rmem_tensor(4, Int32)
         peaks.fill(0)
         if h < heads:
-            sink = attn_sink[h]
-            acc = Float32(0.0)
-            n_chunks = (s_q + ROWS_PER_CTA - 1) // ROWS_PER_CTA
-            for chunk in cutlass.range(bx, n_chunks, ctas_x, unroll=1):  # in order
-                row_end = cutlass.min(chunk * ROWS_PER_CTA + ROWS_PER_CTA, s_q)
-                for t in cutlass.range(chunk * ROWS_PER_CTA, row_end):
-                    acc = acc - self.row(out, dout, lse, delta, lse_sink, sink, t, h, lane, peaks)
-                    q_row = q[t, h, None]
-                    for v in cutlass.range(lane, q_vecs, 32, unroll=1):
-                        vec = cute.local_tile(q_row, (VEC,), (v,)).load().to(Float32)
-                        peaks[MAX_Q] = _peak(vec, peaks[MAX_Q])
+            acc = self.sum_rows(out, dout, lse, attn_sink, delta, lse_sink, h, lane, bx, ctas_x,
+                                peaks, q)
             if lane == 0:
                 d_sink_acc[bx, h] = acc
         # kv rows are shared out over every warp of the grid
@@ -296,8 +291,8 @@ class SparseMlaBwdPreprocessDeterministic(SparseMlaBwdPreprocess):
             bound = Float64(2.0 ** -100)
         bits = _bits_of_f64(bound)
         exp = Int32((bits >> 52) & 0x7FF) - 1023 + Int32((bits & ((1 << 52) - 1)) != 0)
-        k = cutlass.min(FIXED_BITS - exp, K_LIMIT)
-        ok = finite & (k >= -K_LIMIT)
+        k = cutlass.min(FIXED_BITS - exp, FIXED_K_LIMIT)
+        ok = finite & (k >= -FIXED_K_LIMIT)
         mult = Float32(1.0)
         unit = Float32(float("nan"))
         if ok:

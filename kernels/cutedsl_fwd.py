@@ -573,8 +573,11 @@ def default_impl(arch: str) -> str:
 
 
 def default_kv_stages(impl: str) -> int:
-    """KV tiles in flight by default: one for mma (fewer registers, faster on the H200)."""
-    return 1 if impl == "mma" else 2
+    """KV tiles in flight by default: the service's
+    (:data:`dsa_aot.backends.cutedsl.flavours.FWD_DEFAULT_KV_STAGES`; one for mma)."""
+    from dsa_aot.backends.cutedsl.flavours import FWD_DEFAULT_KV_STAGES
+
+    return FWD_DEFAULT_KV_STAGES[impl]
 
 
 def compile_entry(compact: type[SparseMlaFwd], noncompact: type[SparseMlaFwd], arch: str,

@@ -18,6 +18,10 @@ from __future__ import annotations
 
 #: Columns of one interleave group (D_qk must be a multiple of it).
 DKV_GROUP = 32
+#: Fixed point: headroom of the int64 sums below 63 bits (every partial sum stays below 2^61) ...
+FIXED_BITS = 61
+#: ... and the largest ``|k|`` of the scale ``2^k``, so ``2^k`` and ``2^-k`` are normal fp32.
+FIXED_K_LIMIT = 120
 
 
 def dkv_acc_column(col):
