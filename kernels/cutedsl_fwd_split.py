@@ -17,8 +17,10 @@ Warpgroups and shared memory:
   128-byte swizzled, copied by 16-byte ``cp.async`` (an invalid slot, or one past the row's
   blocks, is zero-filled and flagged invalid). Each buffer is two halves with their own
   ``ready`` / ``free`` mbarriers: ``L`` = columns 0-255, ``R`` = columns 256-D_qk. The halves are
-  filled in the order the consumers free them: 0L, 1R, 0R, 1L. The mbarrier phases run on
-  across tiles (a count of the block pairs done);
+  filled in the order the consumers free them: 0L, 1R, 0R, 1L. The slot indices are loaded one
+  pair ahead (the first pair's before the wait for ``q_free``), so a gather never waits for its
+  index load (an L2 miss once the KV rows outgrow the L2). The mbarrier phases run on across
+  tiles (a count of the block pairs done);
 * warpgroups 0 and 1 (``setmaxnreg`` 216) alternate the blocks: warpgroup ``w`` computes the
   whole 64 x 64 score tile ``S = Q K^T`` of buffer ``w`` (its own half first, so it starts
   before the other half lands), masks invalid slots to -inf, and runs the online softmax of
@@ -229,13 +231,17 @@ class SparseMlaFwdSplit(SparseMlaFwd):
             # Q of this tile (head rows past ``heads`` zero-filled)
             t_g_q = thr_kv.partition_S(cute.local_tile(m_q[t, None, None], (BLOCK_H, d),
                                                        (hb, 0)))
+            # the first pair's indices are loaded before the wait for the consumers, and each
+            # pair's one pair ahead, so no gather waits on an index load
+            idx0 = producer_idx(0, t, m_idx, n_valid, p_row, BLOCK_N)
+            idx1 = producer_idx(1, t, m_idx, n_valid, p_row, BLOCK_N)
             cute.arch.mbarrier_wait(q_free, (i % 2) ^ 1)
             self.copy_head_rows(kv_copy, t_g_q, t_s_q, p_row, True)
             cute.arch.cp_async_mbarrier_arrive_noinc(q_ready)
             cute.arch.mbarrier_arrive(q_ready)
             for k in cutlass.range(n_pairs, unroll=1):
-                idx0 = producer_idx(2 * k, t, m_idx, n_valid, p_row, BLOCK_N)
-                idx1 = producer_idx(2 * k + 1, t, m_idx, n_valid, p_row, BLOCK_N)
+                nxt0 = producer_idx(2 * k + 2, t, m_idx, n_valid, p_row, BLOCK_N)
+                nxt1 = producer_idx(2 * k + 3, t, m_idx, n_valid, p_row, BLOCK_N)
                 phase = ((pairs_done + k) % 2) ^ 1
                 for buf, half in ((0, 0), (1, 1), (0, 1), (1, 0)):
                     idx = idx0 if buf == 0 else idx1
@@ -246,6 +252,8 @@ class SparseMlaFwdSplit(SparseMlaFwd):
                                 BLOCK_N)
                     cute.arch.cp_async_mbarrier_arrive_noinc(ready + 2 * buf + half)
                     cute.arch.mbarrier_arrive(ready + 2 * buf + half)
+                idx0 = nxt0
+                idx1 = nxt1
             pairs_done = pairs_done + n_pairs
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
