@@ -48,9 +48,13 @@ Warpgroups and shared memory:
   shared memory (two halves used by alternate tiles, so one named barrier suffices);
   ``lse = ln 2 * (M + log2(l))`` (sink excluded), ``out = O / l * w`` with the sink weight
   ``w = 1 / (1 + exp(sink - lse))``; a row without a valid slot stores ``out = 0`` and
-  ``lse = +inf``. Each warpgroup stages its bf16 half of ``out`` in its half of Q's bytes (the
-  score GEMMs, Q's only readers, are done), stores it as 16-byte rows and then arrives on
-  ``q_free``: four times fewer global stores than storing the accumulator's pairs directly.
+  ``lse = +inf``. Each warpgroup stages its bf16 half of ``out`` in the KV half it read last
+  (warpgroup 0: 1L, warpgroup 1: columns 256-511 of 0R; both hold back that half's ``free``
+  until then), stores it as 16-byte rows and then frees the half: four times fewer global
+  stores than storing the accumulator's pairs directly. Q's bytes are freed (``q_free``) as
+  soon as the tile's last score GEMMs are done, at the start of its last pair, so the producer
+  loads the next tile's Q while the consumers finish the tile (a tile without blocks stages
+  ``out`` in Q's bytes and frees them after).
 
 This module imports ``cutlass``: use it in a build process only.
 """
@@ -323,6 +327,8 @@ class SparseMlaFwdSplit(SparseMlaFwd):
                     self.issue_qk(1, 0, acc_s, r_q, r_k, mma_s, ready, phase, False)
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
+                if k + 1 == n_pairs:  # the tile's last score GEMM is done: Q's bytes are free
+                    cute.arch.mbarrier_arrive(q_free)
                 part = self.masked_row_max(w, acc_s_mn, c_s_mn, s_valid, scale_log2)
                 if cutlass.const_expr(w == 1):
                     # fold in warpgroup 0's max of its block: the pair's max
@@ -376,16 +382,16 @@ class SparseMlaFwdSplit(SparseMlaFwd):
                         self.issue_qk(0, 1, acc_s, r_q, r_k, mma_s, ready, nxt, False)
                         warpgroup.commit_group()
                         warpgroup.wait_group(0)
-                    else:
+                    else:  # 1L stages this warpgroup's out: freed after the epilogue
                         warpgroup.wait_group(0)
-                        cute.arch.mbarrier_arrive(free + 2)
                 else:
                     cute.arch.barrier(barrier_id=BAR_P0, number_of_threads=THREADS)
                     self.issue_pv_peer(0, acc_o, r_p_peer, r_v, mma_pv)
                     warpgroup.wait_group(1)
                     cute.arch.mbarrier_arrive(free + 3)  # 1R: read by this warpgroup's P V last
                     warpgroup.wait_group(0)
-                    cute.arch.mbarrier_arrive(free + 1)  # 0R (and warpgroup 0's P): the peer P V
+                    if k + 1 < n_pairs:  # 0R (and warpgroup 0's P): the peer P V; the last
+                        cute.arch.mbarrier_arrive(free + 1)  # pair's stages out first
 
             # ---- epilogue: the two row sums (same final max), lse, sink weight, out ------------
             # alternate halves of s_sum, tile by tile: no second barrier
@@ -405,19 +411,26 @@ class SparseMlaFwdSplit(SparseMlaFwd):
                 if cutlass.const_expr(w == 0):
                     if (lane % 4 == 0) & (head < heads):
                         m_lse[t, head] = lse_val
-            self.store_out_staged(w, acc_o, thr_pv, mma_pv, s_q, m_out, t, hb, wtid)
-            cute.arch.mbarrier_arrive(q_free)  # Q's bytes are free: the next tile's Q
+            if n_pairs > 0:
+                # through the KV half this warpgroup read last (1L / 0R, columns 0-255 / 256-511
+                # of its buffer), while the producer already loads the next tile's Q
+                s_o = cute.local_tile(s_kv_all[None, None, 1 - w], (BLOCK_H, HALF), (0, w))
+                self.store_out_staged(w, acc_o, thr_pv, mma_pv, s_o, m_out, t, hb, wtid)
+                cute.arch.mbarrier_arrive(free + 2 - w)
+            else:  # no block, so no KV half of this tile: through Q's bytes
+                s_o = cute.local_tile(s_q, (BLOCK_H, HALF), (0, w))
+                self.store_out_staged(w, acc_o, thr_pv, mma_pv, s_o, m_out, t, hb, wtid)
+                cute.arch.mbarrier_arrive(q_free)
             pairs_done = pairs_done + n_pairs
 
     @cute.jit
     def store_out_staged(self, w: cutlass.Constexpr, acc_o: cute.Tensor,
-                         thr_pv: cute.core.ThrMma, mma_pv: cute.TiledMma, s_q: cute.Tensor,
+                         thr_pv: cute.core.ThrMma, mma_pv: cute.TiledMma, s_o: cute.Tensor,
                          m_out: cute.Tensor, t: Int32, hb: Int32, wtid: Int32) -> None:
         """Store warpgroup ``w``'s 64 x 256 half of ``out`` (fp32 ``acc_o``, final) as bf16
         through its half of Q's shared memory (no longer read by then): register pairs into
         the 128-byte swizzled tile, then 16-byte rows to global memory (head rows past
         ``heads`` skipped). Four times fewer global stores than storing the pairs directly."""
-        s_o = cute.local_tile(s_q, (BLOCK_H, HALF), (0, w))
         r_o = cute.make_fragment_like(acc_o, BFloat16)
         r_o.store(acc_o.load().to(BFloat16))
         store_o = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(),
