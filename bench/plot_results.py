@@ -4,7 +4,9 @@
 
 One panel per op (forward, backward); per shape one bar per dsa-aot backend (and variant) and
 one for the peer (FlashMLA forward, cuDNN frontend backward) as measured in the same run as our
-fastest row of that shape.
+fastest row of that shape. Where that row carries a paired ratio (the median of per-call ratios
+of the two called alternately), the peer's bar is our TFLOPS divided by it: the peer at the same
+clocks as ours, rather than its own median taken seconds apart.
 Needs matplotlib (a development tool, not a dependency of the package).
 """
 
@@ -35,7 +37,10 @@ def series(records: list[dict], op: str) -> tuple[list[str], dict[str, list[floa
         bars[r["backend"].split("/", 1)[-1]][i] = r["tflops"]
         if r.get("peer_ms") and r["tflops"] > best[i]:
             best[i] = r["tflops"]
-            peer[i] = flops(r["s_q"], r["heads"], r["topk"], r["d_qk"]) / r["peer_ms"] / 1e9
+            if r.get("paired_ratio"):
+                peer[i] = r["tflops"] / r["paired_ratio"]
+            else:
+                peer[i] = flops(r["s_q"], r["heads"], r["topk"], r["d_qk"]) / r["peer_ms"] / 1e9
     if any(v is not None for v in peer):
         bars[PEER_NAMES[op]] = peer
     labels = [f"H{h} D{d} K{k}\nS_q {sq // 1024}k S_kv {skv // 1024}k" for sq, skv, h, d, k in shapes]
