@@ -153,6 +153,24 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def markdown(records: list[dict], env: dict[str, str], cmd: str) -> list[str]:
+    """The result file's Markdown: command, GPU, toolchain and date, then one row per record
+    ("-" in the peer and paired columns where no peer ran)."""
+    lines = [f"# Sparse MLA on {env['gpu']}", "",
+             f"Command: `{cmd}`  ", f"Date: {env['date']}  ",
+             "Toolchain: " + ", ".join(f"{k} {v}" for k, v in env.items() if k not in ("gpu", "date")), "",
+             "| op | backend | S_q | S_kv | H | D_qk | K | dsa-aot ms | TFLOPS | peer ms | peer TFLOPS | ratio (peer ms / ours) "
+             "| paired ratio [q1, q3] |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        flops = (fwd_flops if r["op"] == "fwd" else bwd_flops)(r["s_q"], r["heads"], r["topk"], r["d_qk"])
+        ptf = f"{flops / r['peer_ms'] / 1e9:.0f}" if r["peer_ms"] else "-"
+        lines.append(f"| {r['op']} | {r['backend'].split('/')[-1]} | {r['s_q']} | {r['s_kv']} | {r['heads']} | {r['d_qk']} | {r['topk']} | "
+                     f"{r['ms']:.3f} | {r['tflops']:.0f} | {r['peer_ms'] or '-'} | {ptf} | {r['ratio'] or '-'} | "
+                     + (f"{r['paired_ratio']} [{r['paired_ratio_q1']}, {r['paired_ratio_q3']}] |" if r.get("paired_ratio") else "- |"))
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("bench/results/h200.json"))
@@ -276,18 +294,7 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(records, indent=1) + "\n")
     cmd = "python bench/bench_sparse_mla.py " + " ".join(sys.argv[1:])
-    lines = [f"# Sparse MLA on {env['gpu']}", "",
-             f"Command: `{cmd}`  ", f"Date: {env['date']}  ",
-             "Toolchain: " + ", ".join(f"{k} {v}" for k, v in env.items() if k not in ("gpu", "date")), "",
-             "| op | backend | S_q | S_kv | H | D_qk | K | dsa-aot ms | TFLOPS | peer ms | peer TFLOPS | ratio (peer ms / ours) "
-             "| paired ratio [q1, q3] |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in records:
-        flops = (fwd_flops if r["op"] == "fwd" else bwd_flops)(r["s_q"], r["heads"], r["topk"], r["d_qk"])
-        ptf = f"{flops / r['peer_ms'] / 1e9:.0f}" if r["peer_ms"] else "-"
-        lines.append(f"| {r['op']} | {r['backend'].split('/')[-1]} | {r['s_q']} | {r['s_kv']} | {r['heads']} | {r['d_qk']} | {r['topk']} | "
-                     f"{r['ms']:.3f} | {r['tflops']:.0f} | {r['peer_ms'] or '-'} | {ptf} | {r['ratio'] or '-'} | "
-                     + (f"{r['paired_ratio']} [{r['paired_ratio_q1']}, {r['paired_ratio_q3']}] |" if r.get("paired_ratio") else "- |"))
+    lines = markdown(records, env, cmd)
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[-len(records) - 2:]))
     return 0
