@@ -428,9 +428,10 @@ class SparseMlaFwdSplit(SparseMlaFwd):
                          thr_pv: cute.core.ThrMma, mma_pv: cute.TiledMma, s_o: cute.Tensor,
                          m_out: cute.Tensor, t: Int32, hb: Int32, wtid: Int32) -> None:
         """Store warpgroup ``w``'s 64 x 256 half of ``out`` (fp32 ``acc_o``, final) as bf16
-        through its half of Q's shared memory (no longer read by then): register pairs into
-        the 128-byte swizzled tile, then 16-byte rows to global memory (head rows past
-        ``heads`` skipped). Four times fewer global stores than storing the pairs directly."""
+        through ``s_o``, a 64 x 256 shared tile no longer read (a KV half, or half of Q's bytes
+        for a tile without blocks): register pairs into the 128-byte swizzled tile, then
+        16-byte rows to global memory (head rows past ``heads`` skipped). Four times fewer
+        global stores than storing the pairs directly."""
         r_o = cute.make_fragment_like(acc_o, BFloat16)
         r_o.store(acc_o.load().to(BFloat16))
         store_o = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(),

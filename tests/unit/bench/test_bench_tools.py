@@ -4,7 +4,6 @@ Markdown, and the chart's series (bench/bench_sparse_mla.py, bench/plot_results.
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
