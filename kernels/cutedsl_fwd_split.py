@@ -50,8 +50,9 @@ Warpgroups and shared memory:
   ``w = 1 / (1 + exp(sink - lse))``; a row without a valid slot stores ``out = 0`` and
   ``lse = +inf``. Each warpgroup stages its bf16 half of ``out`` in the KV half it read last
   (warpgroup 0: 1L, warpgroup 1: columns 256-511 of 0R; both hold back that half's ``free``
-  until then), stores it as 16-byte rows and then frees the half: four times fewer global
-  stores than storing the accumulator's pairs directly. Q's bytes are freed (``q_free``) as
+  until then); one thread stores it by TMA (four 64 x 64 tiles of the ``(heads, D_V, s_q)``
+  view; head rows past ``heads`` are clipped by the unit) and frees the half once the unit has
+  read it, so the consumer warps issue no global stores. Q's bytes are freed (``q_free``) as
   soon as the tile's last score GEMMs are done, at the start of its last pair, so the producer
   loads the next tile's Q while the consumers finish the tile (a tile without blocks stages
   ``out`` in Q's bytes and frees them after).
@@ -65,7 +66,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from dsa_aot.kernels.cutedsl_common import (D_V, VEC, quad_max, quad_sum, wg_acc_as_a,
                                             wg_rows_cols)
@@ -120,6 +121,14 @@ class SparseMlaFwdSplit(SparseMlaFwd):
         mma_pv = wg_mma(HALF, warpgroup.OperandMajorMode.MN)
         mma_pv_rs = wg_mma(HALF, warpgroup.OperandMajorMode.MN,
                            a_source=warpgroup.OperandSource.RMEM)
+        # out stored by TMA, 64 x 64 tiles of the (heads, D_V, s_q) view: rows past ``heads``
+        # are clipped by the unit
+        o_tile = cute.tile_to_shape(
+            warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16),
+            (BLOCK_H, TILE), (0, 1))
+        out_hdq = cute.make_tensor(out.iterator, cute.select(out.layout, mode=[1, 2, 0]))
+        tma_o, m_out_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(),
+                                                       out_hdq, o_tile, (BLOCK_H, TILE))
         s_q = cute.size(q, mode=[0])
         if s_q > 0:
             SharedStorage = wg_storage(s_q_layout, s_kv_layout, s_p_layout, p_tiles,
@@ -128,7 +137,7 @@ class SparseMlaFwdSplit(SparseMlaFwd):
                                        s_valid=(Int32, 2 * BLOCK_N, 16),
                                        # ready[buffer][half], free[buffer][half], Q ready, Q free
                                        mbar=(cutlass.Int64, 10, 8))
-            self.kernel_split(q, kv, topk_idxs, topk_length, attn_sink, out, lse,
+            self.kernel_split(q, kv, topk_idxs, topk_length, attn_sink, tma_o, m_out_tma, lse,
                               softmax_scale * Float32(LOG2E), s_q_layout, s_kv_layout,
                               s_v_layout, s_p_layout, kv_copy, mma_s, mma_pv, mma_pv_rs,
                               SharedStorage).launch(
@@ -141,8 +150,9 @@ class SparseMlaFwdSplit(SparseMlaFwd):
 
     @cute.kernel
     def kernel_split(self, m_q: cute.Tensor, m_kv: cute.Tensor, m_idx: cute.Tensor,
-                     m_len: cute.Tensor, m_sink: cute.Tensor, m_out: cute.Tensor,
-                     m_lse: cute.Tensor, scale_log2: Float32, s_q_layout: cute.ComposedLayout,
+                     m_len: cute.Tensor, m_sink: cute.Tensor, tma_o: cute.CopyAtom,
+                     m_out: cute.Tensor, m_lse: cute.Tensor, scale_log2: Float32,
+                     s_q_layout: cute.ComposedLayout,
                      s_kv_layout: cute.ComposedLayout, s_v_layout: cute.ComposedLayout,
                      s_p_layout: cute.ComposedLayout, kv_copy: cute.TiledCopy,
                      mma_s: cute.TiledMma, mma_pv: cute.TiledMma, mma_pv_rs: cute.TiledMma,
@@ -156,6 +166,8 @@ class SparseMlaFwdSplit(SparseMlaFwd):
         bid, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         n_tiles = cute.size(m_q, mode=[0]) * head_blocks(self.heads)
+        if tidx == 0:
+            cpasync.prefetch_descriptor(tma_o)
         n_mine = (n_tiles - bid + grid - 1) // grid  # tiles bid, bid + grid, ...
 
         smem = cutlass.utils.SmemAllocator()
@@ -193,12 +205,12 @@ class SparseMlaFwdSplit(SparseMlaFwd):
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             if wg == 0:
-                self.consume(0, m_idx, m_len, m_sink, m_out, m_lse, scale_log2, s_q, s_kv_all,
-                             s_v_layout, s_p0, s_p1, s_max, s_sum, s_valid, ready, free,
+                self.consume(0, m_idx, m_len, m_sink, tma_o, m_out, m_lse, scale_log2, s_q,
+                             s_kv_all, s_v_layout, s_p0, s_p1, s_max, s_sum, s_valid, ready, free,
                              q_ready, q_free, mma_s, mma_pv, mma_pv_rs, bid, grid, n_mine, tidx)
             else:
-                self.consume(1, m_idx, m_len, m_sink, m_out, m_lse, scale_log2, s_q, s_kv_all,
-                             s_v_layout, s_p1, s_p0, s_max, s_sum, s_valid, ready, free,
+                self.consume(1, m_idx, m_len, m_sink, tma_o, m_out, m_lse, scale_log2, s_q,
+                             s_kv_all, s_v_layout, s_p1, s_p0, s_max, s_sum, s_valid, ready, free,
                              q_ready, q_free, mma_s, mma_pv, mma_pv_rs, bid, grid, n_mine, tidx)
 
     def tile_rows(self, tile: Int32, m_idx: cute.Tensor, m_len: cute.Tensor) -> tuple:
@@ -240,7 +252,7 @@ class SparseMlaFwdSplit(SparseMlaFwd):
             idx0 = producer_idx(0, t, m_idx, n_valid, p_row, BLOCK_N)
             idx1 = producer_idx(1, t, m_idx, n_valid, p_row, BLOCK_N)
             cute.arch.mbarrier_wait(q_free, (i % 2) ^ 1)
-            self.copy_head_rows(kv_copy, t_g_q, t_s_q, p_row, True)
+            self.copy_head_rows(kv_copy, t_g_q, t_s_q, p_row)
             cute.arch.cp_async_mbarrier_arrive_noinc(q_ready)
             cute.arch.mbarrier_arrive(q_ready)
             for k in cutlass.range(n_pairs, unroll=1):
@@ -266,7 +278,7 @@ class SparseMlaFwdSplit(SparseMlaFwd):
 
     @cute.jit
     def consume(self, w: cutlass.Constexpr, m_idx: cute.Tensor, m_len: cute.Tensor,
-                m_sink: cute.Tensor, m_out: cute.Tensor,
+                m_sink: cute.Tensor, tma_o: cute.CopyAtom, m_out: cute.Tensor,
                 m_lse: cute.Tensor, scale_log2: Float32, s_q: cute.Tensor,
                 s_kv_all: cute.Tensor, s_v_layout: cute.ComposedLayout, s_p_own: cute.Tensor,
                 s_p_peer: cute.Tensor, s_max: cute.Tensor, s_sum: cute.Tensor,
@@ -415,54 +427,60 @@ class SparseMlaFwdSplit(SparseMlaFwd):
                 # through the KV half this warpgroup read last (1L / 0R, columns 0-255 / 256-511
                 # of its buffer), while the producer already loads the next tile's Q
                 s_o = cute.local_tile(s_kv_all[None, None, 1 - w], (BLOCK_H, HALF), (0, w))
-                self.store_out_staged(w, acc_o, thr_pv, mma_pv, s_o, m_out, t, hb, wtid)
-                cute.arch.mbarrier_arrive(free + 2 - w)
+                self.store_out_tma(w, acc_o, mma_pv, s_o, tma_o, m_out, t, hb, wtid,
+                                   free + 2 - w)
             else:  # no block, so no KV half of this tile: through Q's bytes
                 s_o = cute.local_tile(s_q, (BLOCK_H, HALF), (0, w))
-                self.store_out_staged(w, acc_o, thr_pv, mma_pv, s_o, m_out, t, hb, wtid)
-                cute.arch.mbarrier_arrive(q_free)
+                self.store_out_tma(w, acc_o, mma_pv, s_o, tma_o, m_out, t, hb, wtid, q_free)
             pairs_done = pairs_done + n_pairs
+        if wtid == 0:  # the last tile's out stores complete before the CTA exits
+            cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
-    def store_out_staged(self, w: cutlass.Constexpr, acc_o: cute.Tensor,
-                         thr_pv: cute.core.ThrMma, mma_pv: cute.TiledMma, s_o: cute.Tensor,
-                         m_out: cute.Tensor, t: Int32, hb: Int32, wtid: Int32) -> None:
+    def store_out_tma(self, w: cutlass.Constexpr, acc_o: cute.Tensor, mma_pv: cute.TiledMma,
+                      s_o: cute.Tensor, tma_o: cute.CopyAtom, m_out: cute.Tensor, t: Int32,
+                      hb: Int32, wtid: Int32, release: cute.Pointer) -> None:
         """Store warpgroup ``w``'s 64 x 256 half of ``out`` (fp32 ``acc_o``, final) as bf16
         through ``s_o``, a 64 x 256 shared tile no longer read (a KV half, or half of Q's bytes
-        for a tile without blocks): register pairs into the 128-byte swizzled tile, then
-        16-byte rows to global memory (head rows past ``heads`` skipped). Four times fewer
-        global stores than storing the pairs directly."""
+        for a tile without blocks): register pairs into the 128-byte swizzled tile, then four
+        64 x 64 TMA stores issued by one thread (head rows past ``heads`` clipped by the
+        unit), which arrives on ``release`` once the unit has read the tile; the others arrive
+        at once. The consumer warps issue no global stores, and the unit's global writes
+        overlap the next tile."""
         r_o = cute.make_fragment_like(acc_o, BFloat16)
         r_o.store(acc_o.load().to(BFloat16))
         store_o = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(),
                                                              BFloat16), mma_pv)
         thr_store = store_o.get_slice(wtid)
         cute.copy(store_o, thr_store.retile(r_o), thr_store.partition_D(s_o))
+        cute.arch.fence_proxy("async.shared", space="cta")  # the stores -> the TMA unit's reads
         cute.arch.barrier(barrier_id=BAR_OUT[w], number_of_threads=WG_THREADS)
-        cols = TILE // VEC
-        vec_copy = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128),
-            cute.make_layout((WG_THREADS // cols, cols), stride=(cols, 1)),
-            cute.make_layout((1, VEC)))
-        thr_vec = vec_copy.get_slice(wtid)
-        t_s = thr_vec.partition_S(s_o)  # (CPY, 4, 4): passes of 16 rows, 64-column tiles
-        t_g = thr_vec.partition_D(cute.local_tile(m_out[t, None, None], (BLOCK_H, HALF),
-                                                  (hb, w)))
-        self.copy_head_rows(vec_copy, t_s, t_g, wtid // cols, False)
+        if wtid == 0:
+            g_o = m_out[None, None, t]
+            for j in cutlass.range_constexpr(HALF_TILES):
+                t_s, t_g = cpasync.tma_partition(
+                    tma_o, 0, cute.make_layout(1),
+                    cute.group_modes(cute.local_tile(s_o, (BLOCK_H, TILE), (0, j)), 0, 2),
+                    cute.group_modes(cute.local_tile(g_o, (BLOCK_H, TILE),
+                                                     (hb, w * HALF_TILES + j)), 0, 2))
+                cute.copy(tma_o, t_s, t_g)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.mbarrier_arrive(release)
 
     @cute.jit
     def copy_head_rows(self, copy: cute.TiledCopy, src: cute.Tensor, dst: cute.Tensor,
-                       row0: Int32, zero_fill: cutlass.Constexpr) -> None:
+                       row0: Int32) -> None:
         """Copy a thread's ``(CPY, passes, tiles)`` partitions of a 64-head tile, one pass of
         16 head rows at a time (its row in the first pass: ``row0``). Rows past ``heads`` are
-        skipped, or zero-filled in ``dst`` with ``zero_fill``."""
+        zero-filled in ``dst``."""
         for m in cutlass.range_constexpr(BLOCK_H // WS_ROWS_PER_PASS):
             if cutlass.const_expr(self.heads >= BLOCK_H):
                 cute.copy(copy, src[None, m, None], dst[None, m, None])
             else:
                 if row0 + m * WS_ROWS_PER_PASS < self.heads:
                     cute.copy(copy, src[None, m, None], dst[None, m, None])
-                elif cutlass.const_expr(zero_fill):
+                else:
                     dst[None, m, None].fill(0)
 
     @cute.jit
