@@ -171,7 +171,15 @@ def markdown(records: list[dict], env: dict[str, str], cmd: str) -> list[str]:
     return lines
 
 
-def main() -> int:
+def fwd_rows(args: argparse.Namespace) -> list[tuple[int, ...]]:
+    """The forward rows a run times: its ``--fwd-shape`` rows, else the table's (``--shapes``
+    picks row numbers)."""
+    if args.fwd_shape:
+        return [tuple(row) for row in args.fwd_shape]
+    return [r for i, r in enumerate(FWD_SHAPES) if not args.shapes or i in args.shapes]
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("bench/results/h200.json"))
     ap.add_argument("--reps", type=int, default=30)
@@ -184,15 +192,21 @@ def main() -> int:
     ap.add_argument("--variant", action="append", default=[],
                     help="extra rows for op:backend:tile-field=value,... e.g. bwd:cutedsl:flavour=wgmma")
     ap.add_argument("--shapes", type=int, nargs="+", help="only these row numbers (0-based) of each table")
+    ap.add_argument("--fwd-shape", type=int, nargs=5, action="append", metavar=("S_Q", "S_KV", "H", "D", "K"),
+                    help="forward rows of your own instead of the table (repeat for several)")
     ap.add_argument("--no-paired", action="store_true",
                     help="skip the paired timing (ours and the peer called alternately, median per-pair ratio)")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    args = parser().parse_args()
     env = environment()
     records = []
     peer = peer_bwd()
     flashmla = peer_fwd(args.flashmla)
     pick = (lambda rows: [r for i, r in enumerate(rows) if i in args.shapes]) if args.shapes else (lambda rows: rows)
-    for s_q, s_kv, h, d, k in pick(FWD_SHAPES) if "fwd" in args.ops else []:
+    for s_q, s_kv, h, d, k in fwd_rows(args) if "fwd" in args.ops else []:
         x = make_inputs(s_q, s_kv, h, d, k)
         ref_out, ref_lse = reference(x)  # once per shape; every backend is checked against it
         scale = d ** -0.5

@@ -96,3 +96,15 @@ def test_chart_series_per_shape_with_the_peer_beside_our_fastest_row(plot):
 def test_chart_without_any_peer_has_no_peer_series(plot):
     _, bars = plot.series([_rec(), _rec(backend="dsa-aot/tilelang", ms=2.4)], "fwd")
     assert list(bars) == ["cutedsl", "tilelang"]
+
+
+def test_forward_rows_from_the_table_or_the_command_line(bench):
+    table = bench.FWD_SHAPES
+    assert bench.fwd_rows(bench.parser().parse_args([])) == table
+    assert bench.fwd_rows(bench.parser().parse_args(["--shapes", "0", "5"])) == [table[0], table[5]]
+    args = bench.parser().parse_args(["--fwd-shape", "4224", "8192", "64", "576", "2048",
+                                      "--fwd-shape", "4158", "8192", "128", "512", "1024",
+                                      "--shapes", "0"])
+    assert bench.fwd_rows(args) == [(4224, 8192, 64, 576, 2048), (4158, 8192, 128, 512, 1024)]
+    with pytest.raises(SystemExit):
+        bench.parser().parse_args(["--fwd-shape", "4224", "8192"])
