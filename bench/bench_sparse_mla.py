@@ -171,12 +171,16 @@ def markdown(records: list[dict], env: dict[str, str], cmd: str) -> list[str]:
     return lines
 
 
+def table_rows(table: list[tuple[int, ...]], args: argparse.Namespace) -> list[tuple[int, ...]]:
+    """The rows of ``table`` a run times (``--shapes`` picks row numbers; default all)."""
+    return [r for i, r in enumerate(table) if not args.shapes or i in args.shapes]
+
+
 def fwd_rows(args: argparse.Namespace) -> list[tuple[int, ...]]:
-    """The forward rows a run times: its ``--fwd-shape`` rows, else the table's (``--shapes``
-    picks row numbers)."""
+    """The forward rows a run times: its ``--fwd-shape`` rows, else the table's."""
     if args.fwd_shape:
         return [tuple(row) for row in args.fwd_shape]
-    return [r for i, r in enumerate(FWD_SHAPES) if not args.shapes or i in args.shapes]
+    return table_rows(FWD_SHAPES, args)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -205,7 +209,6 @@ def main() -> int:
     records = []
     peer = peer_bwd()
     flashmla = peer_fwd(args.flashmla)
-    pick = (lambda rows: [r for i, r in enumerate(rows) if i in args.shapes]) if args.shapes else (lambda rows: rows)
     for s_q, s_kv, h, d, k in fwd_rows(args) if "fwd" in args.ops else []:
         x = make_inputs(s_q, s_kv, h, d, k)
         ref_out, ref_lse = reference(x)  # once per shape; every backend is checked against it
@@ -260,7 +263,7 @@ def main() -> int:
             records.append(rec)
             print(f"fwd  {backend:9s} h{h} d{d} k{k}: {ms:.3f} ms {tf:.0f} TFLOPS  ours/peer speed "
                   f"{rec['ratio']}", flush=True)
-    for s_q, s_kv, h, d, k in pick(BWD_SHAPES) if "bwd" in args.ops else []:
+    for s_q, s_kv, h, d, k in table_rows(BWD_SHAPES, args) if "bwd" in args.ops else []:
         x = make_inputs(s_q, s_kv, h, d, k)
         out, lse = dsa_aot.sparse_mla_fwd(x["q"], x["kv"], x["topk_idxs"], attn_sink=x["attn_sink"])
         peer_ms, peer_res = None, None
