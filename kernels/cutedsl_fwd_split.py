@@ -14,13 +14,15 @@ Warpgroups and shared memory:
   ``cp.async``, ``q_ready`` mbarrier) once both consumers are done with the previous tile's Q
   bytes (``q_free``), then gathers the row's valid slots two blocks of 64 at a time: block
   ``2k`` into KV buffer 0, block ``2k + 1`` into KV buffer 1, each 64 x D_qk,
-  128-byte swizzled, copied by 16-byte ``cp.async`` (an invalid slot, or one past the row's
-  blocks, is zero-filled and flagged invalid). Each buffer is two halves with their own
-  ``ready`` / ``free`` mbarriers: ``L`` = columns 0-255, ``R`` = columns 256-D_qk. The halves are
-  filled in the order the consumers free them: 0L, 1R, 0R, 1L. The slot indices are loaded one
-  pair ahead (the first pair's before the wait for ``q_free``), so a gather never waits for its
-  index load (an L2 miss once the KV rows outgrow the L2). The mbarrier phases run on across
-  tiles (a count of the block pairs done);
+  128-byte swizzled, copied by 16-byte ``cp.async`` without a branch: an invalid slot, or one
+  past the row's blocks, is the same instruction with a source size of 0, which zero-fills and
+  reads nothing, and is flagged invalid (a branch per row between the copies and shared-memory
+  zero stores kept ptxas from issuing a thread's copies back to back). Each buffer is two
+  halves with their own ``ready`` / ``free`` mbarriers: ``L`` = columns 0-255, ``R`` = columns
+  256-D_qk. The halves are filled in the order the consumers free them: 0L, 1R, 0R, 1L. The
+  slot indices are loaded one pair ahead (the first pair's before the wait for ``q_free``), so
+  a gather never waits for its index load (an L2 miss once the KV rows outgrow the L2). The
+  mbarrier phases run on across tiles (a count of the block pairs done);
 * warpgroups 0 and 1 (``setmaxnreg`` 216) alternate the blocks: warpgroup ``w`` computes the
   whole 64 x 64 score tile ``S = Q K^T`` of buffer ``w`` (its own half first, so it starts
   before the other half lands), masks invalid slots to -inf, and runs the online softmax of
@@ -65,14 +67,15 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from dsa_aot.kernels.cutedsl_common import (D_V, VEC, quad_max, quad_sum, wg_acc_as_a,
                                             wg_rows_cols)
 from dsa_aot.kernels.cutedsl_fwd import (BLOCK_H, BLOCK_N, LOG2E, M_FLOOR, THREADS, WG_THREADS,
                                          WS_ROWS_PER_PASS, SparseMlaFwd, compile_entry,
-                                         gather_rows, producer_idx, row_lse_and_factor, wg_gemm,
+                                         producer_idx, row_lse_and_factor, wg_gemm,
                                          wg_mma, wg_smem_layouts, wg_storage, ws_copies)
 
 #: The ``impl`` name of this flavour.
@@ -237,10 +240,11 @@ class SparseMlaFwdSplit(SparseMlaFwd):
         s_kv = cute.size(m_kv, mode=[0])
         thr_kv = kv_copy.get_slice(wtid)
         p_row = wtid // (TILE // VEC)
-        t_g_kv = thr_kv.partition_S(cute.local_tile(m_kv, (BLOCK_N, d), (0, 0)))  # (CPY, 4, T)
-        t_s_kv = thr_kv.partition_D(s_kv_all)  # (CPY, 4, T, 2)
         t_s_q = thr_kv.partition_D(s_q)  # (CPY, 4, T)
         row_stride = m_kv.stride[0]
+        row_bytes = Int64(row_stride) * 2
+        kv_base = m_kv.iterator.toint()
+        s_kv_base = s_kv_all.iterator.toint()
         pairs_done = Int32(0)  # blocks pairs of the earlier tiles: the mbarrier phases
         for i in cutlass.range(n_mine, unroll=1):
             t, hb, n_valid, n_pairs = self.tile_rows(bid + i * grid, m_idx, m_len)
@@ -263,9 +267,8 @@ class SparseMlaFwdSplit(SparseMlaFwd):
                     idx = idx0 if buf == 0 else idx1
                     cute.arch.mbarrier_wait(free + 2 * buf + half, phase)
                     # a buffer's first half carries its validity flags
-                    gather_rows(kv_copy, t_g_kv, t_s_kv, buf, idx, p_row, s_kv, row_stride,
-                                *half_tiles(half, d), s_valid, buf * BLOCK_N, wtid, half == buf,
-                                BLOCK_N)
+                    gather_half(idx, buf, p_row, s_kv, row_bytes, kv_base, s_kv_base, d,
+                                *half_tiles(half, d), s_valid, buf * BLOCK_N, wtid, half == buf)
                     cute.arch.cp_async_mbarrier_arrive_noinc(ready + 2 * buf + half)
                     cute.arch.mbarrier_arrive(ready + 2 * buf + half)
                 idx0 = nxt0
@@ -541,6 +544,48 @@ class SparseMlaFwdSplit(SparseMlaFwd):
             row_sum[r] = row_sum[r] * corr + psum
             row_max[r] = m_new[r]
             acc_o_mn[r, None] = acc_o_mn[r, None].load() * corr
+
+
+@cutlass.dsl_user_op
+def cp_async_16_zfill(dst: Int32, src: Int64, src_bytes: Int32, *, loc=None, ip=None) -> None:
+    """One 16-byte ``cp.async.cg`` from global ``src`` to shared ``dst``, reading
+    ``src_bytes`` (16 or 0) and zero-filling the rest: an invalid slot costs the same one
+    instruction as a valid one and reads nothing."""
+    llvm.inline_asm(None, [Int32(dst).ir_value(loc=loc, ip=ip),
+                           Int64(src).ir_value(loc=loc, ip=ip),
+                           Int32(src_bytes).ir_value(loc=loc, ip=ip)],
+                    "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r",
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@cute.jit
+def gather_half(idx: list, buf: cutlass.Constexpr, p_row: Int32, s_kv: Int32,
+                row_bytes: Int64, kv_base: Int64, s_kv_base: Int32, d: cutlass.Constexpr,
+                lo: cutlass.Constexpr, hi: cutlass.Constexpr, s_flags: cute.Tensor,
+                flag_base: Int32, wtid: Int32, flags: cutlass.Constexpr) -> None:
+    """A producer thread's share of column tiles ``[lo, hi)`` of KV buffer ``buf``'s block:
+    16-byte chunk ``wtid % 8`` of each 128-byte tile of its rows ``p_row + 16 m`` (row
+    ``idx[m]`` of KV), to its 128-byte-swizzled place (chunk ``j ^ (row % 8)`` of the row's
+    128 bytes in the tile's 64-row slab). Branch-free: a slot outside ``[0, s_kv)`` reads row 0
+    with a source size of 0, i.e. zero-fills; with ``flags``, each row's validity into
+    ``s_flags[flag_base + row]``."""
+    j = wtid % (TILE // VEC)
+    for m in cutlass.range_constexpr(BLOCK_N // WS_ROWS_PER_PASS):
+        row = p_row + m * WS_ROWS_PER_PASS
+        valid = (idx[m] >= 0) & (idx[m] < s_kv)
+        src_row = Int32(0)
+        nbytes = Int32(0)
+        if valid:
+            src_row = idx[m]
+            nbytes = Int32(16)
+        src = kv_base + Int64(src_row) * row_bytes + j * VEC * 2
+        dst = s_kv_base + buf * (BLOCK_N * d * 2) + row * 128 + ((j ^ (row % 8)) * 16)
+        for c in cutlass.range_constexpr(lo, hi):
+            cp_async_16_zfill(dst + c * (BLOCK_N * TILE * 2), src + c * (TILE * 2), nbytes)
+        if cutlass.const_expr(flags):
+            if j == 0:
+                s_flags[flag_base + row] = Int32(1) if valid else Int32(0)
 
 
 def head_blocks(heads: int) -> int:
