@@ -384,7 +384,7 @@ def test_fresh_process_loads_stored_artifact_without_cutlass(prebuilt: Path) -> 
     assert report["modules"] == []  # no compiler, no DSL
     cute = [_record(s) for s in manifest.stages]
     # every library was opened from the verified bytes, through sealed memfds
-    assert report["libraries"] == sorted(r.library_sha256 for r in cute)
+    assert report["libraries"] == sorted(r.library_sha256 for r in cute), report
     assert report["memfd_mapped"] == sorted(f"dsa-aot-{r.name}" for r in cute)
     if _CUDA:
         assert report["load"] == "ok" and report["prepare"] == ["ok"] * len(cute)
