@@ -36,8 +36,9 @@ noncompact entry point, in a module of its own that says how it schedules the wo
 
 This module holds what more than one of them uses: the constants and the contract's checks, the
 gather of the 256-thread flavours (:meth:`SparseMlaFwd.load_idx`, :meth:`SparseMlaFwd.gather`),
-the warp-specialised flavours' producer (:func:`gather_rows`, :func:`producer_idx`), shared
-memory and copies, the epilogue's ``lse`` and output factor (:func:`row_lse_and_factor`), the
+the warp-specialised flavours' producer (:func:`producer_idx`; :func:`gather_rows`, the
+``wgmma_ws`` gather, ``wgmma_split`` has its branch-free own), shared memory and copies, the
+epilogue's ``lse`` and output factor (:func:`row_lse_and_factor`), the
 fake arguments and :func:`compile_fwd`, which builds any flavour.
 
 This module imports ``cutlass``: use it in a build process only.

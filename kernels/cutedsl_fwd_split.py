@@ -567,8 +567,10 @@ def gather_half(idx: list, buf: cutlass.Constexpr, p_row: Int32, s_kv: Int32,
     """A producer thread's share of column tiles ``[lo, hi)`` of KV buffer ``buf``'s block:
     16-byte chunk ``wtid % 8`` of each 128-byte tile of its rows ``p_row + 16 m`` (row
     ``idx[m]`` of KV), to its 128-byte-swizzled place (chunk ``j ^ (row % 8)`` of the row's
-    128 bytes in the tile's 64-row slab). Branch-free: a slot outside ``[0, s_kv)`` reads row 0
-    with a source size of 0, i.e. zero-fills; with ``flags``, each row's validity into
+    128 bytes in the tile's 64-row slab: the KV layout of
+    :func:`~dsa_aot.kernels.cutedsl_fwd.wg_smem_layouts`, addressed by hand). Branch-free: a
+    slot outside ``[0, s_kv)`` reads row 0 with a source size of 0, i.e. zero-fills; with
+    ``flags``, each row's validity into
     ``s_flags[flag_base + row]``."""
     j = wtid % (TILE // VEC)
     for m in cutlass.range_constexpr(BLOCK_N // WS_ROWS_PER_PASS):
