@@ -156,8 +156,9 @@ def sparse_mla_bwd(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: t
 
     Returns dq [S_q, H, D_qk] bf16, dkv [S_kv, D_qk] bf16 and d_sink [H] fp32 (None when
     ``attn_sink`` is None). ``deterministic=True`` makes every bit of the three reproducible
-    for the same inputs on the same GPU model (dkv summed as int64 fixed point, whose adds give
-    the same bits in any order; slower); None follows ``DSA_AOT_DETERMINISTIC``.
+    for the same inputs on the same GPU model (each slot's dkv row stored, then every KV row's
+    summed in a fixed order; slower, and a workspace of up to ``DSA_AOT_DETERMINISTIC_WORKSPACE``
+    bytes); None follows ``DSA_AOT_DETERMINISTIC``.
     """
     layout, scale = check_bwd(q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, softmax_scale)
     dev = q.device

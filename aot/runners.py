@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dsa_aot.kernels.dkv_interleave import FIXED_BITS, FIXED_K_LIMIT
 from dsa_aot.specs.shapes import D_V, SpecFields
 
 if TYPE_CHECKING:
@@ -165,12 +164,14 @@ class StagedBwd(BwdKernel):
 
     The runtime allocates every intermediate and zeroes the accumulators the kernels add into
     (``d_sink``, ``dkv_acc``); each stage reads its arguments by the contract's names, so a
-    cubin and a CuTe DSL stage mix freely.
+    cubin and a CuTe DSL stage mix freely. The deterministic mode (CuTe DSL stages) runs the
+    main and postprocess stages per chunk of query rows (:meth:`_deterministic`).
     """
 
     #: The tensors a backward call has, in the order :meth:`__call__` collects them.
     TENSORS = ("q", "kv", "out", "dout", "lse", "topk_idxs", "topk_length", "attn_sink", "delta",
-               "lse_sink", "dq", "dkv", "dkv_acc", "dkv_max", "dkv_scale", "d_sink_acc", "d_sink")
+               "lse_sink", "dq", "dkv", "dkv_acc", "d_sink_acc", "d_sink", "dkv_rows", "row_order",
+               "row_offsets")
 
     def __init__(self, pre: BwdStage, main: BwdStage, post: BwdStage, spec: KernelSpec | SpecFields) -> None:
         from dsa_aot.backends.tilelang.launch import CubinKernel  # ctypes only; no compiler
@@ -191,23 +192,17 @@ class StagedBwd(BwdKernel):
         dq = torch.empty_like(q)
         dkv = torch.empty((s_kv, d_qk), dtype=torch.bfloat16, device=dev)
         if self.spec.deterministic:
-            dkv_acc = torch.zeros((s_kv, d_qk), dtype=torch.int64, device=dev)
-            # the preprocess finds the maxima and writes dkv_scale (fixed_point_scale's rule)
-            work = torch.zeros(8, dtype=torch.int32, device=dev)
-            dkv_max, dkv_scale = work[:5], work[6:].view(torch.float32)
-            d_sink_acc = torch.empty((d_sink_parts(s_q), heads), dtype=torch.float32, device=dev)
-            d_sink = torch.empty((heads,), dtype=torch.float32, device=dev)
-        else:
-            dkv_acc = torch.zeros((s_kv, d_qk), dtype=torch.float32, device=dev)
-            dkv_max = dkv_scale = d_sink_acc = None
-            d_sink = torch.zeros((heads,), dtype=torch.float32, device=dev)
+            return self._deterministic(q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink,
+                                       softmax_scale, delta, lse_sink, dq, dkv)
+        dkv_acc = torch.zeros((s_kv, d_qk), dtype=torch.float32, device=dev)
+        d_sink = torch.zeros((heads,), dtype=torch.float32, device=dev)
         tensors = (q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, delta, lse_sink, dq, dkv,
-                   dkv_acc, dkv_max, dkv_scale, d_sink_acc, d_sink)
+                   dkv_acc, None, d_sink, None, None, None)
         scalars = {"softmax_scale": softmax_scale, "s_q": s_q, "s_kv": s_kv, "topk": topk_idxs.shape[1]}
         args: dict[str, int | float] = {}
         if self._cubin:  # cubin stages take every pointer by name
             args = {name: _ptr(t) for name, t in zip(self.TENSORS, tensors)
-                    if t is not None or name not in ("d_sink_acc", "dkv_max", "dkv_scale")}
+                    if t is not None or name not in ("d_sink_acc", "dkv_rows", "row_order", "row_offsets")}
             args.update(scalars)
         stream = current_stream(dev)
         for kernel, names in self._stages:
@@ -217,46 +212,110 @@ class StagedBwd(BwdKernel):
                 kernel(*names[0](tensors), stream=stream, **{n: scalars[n] for n in names[1]})
         return dq, dkv, d_sink
 
+    def _deterministic(self, q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, softmax_scale,
+                       delta, lse_sink, dq, dkv):
+        """The deterministic mode (CuTe DSL stages): the preprocess once; then per chunk of query
+        rows the main kernel stores each valid slot's dKV row (``dkv_rows``), and the postprocess
+        sums every KV row's stored rows in the order :func:`dkv_row_order` gives into
+        ``dkv_acc`` (fp32, the running total) and ``dkv``. Chunks hold at most
+        ``deterministic_workspace`` bytes of rows (:func:`deterministic_chunk_rows`)."""
+        from dsa_aot import settings as _settings
+
+        s_q, heads, d_qk = q.shape
+        s_kv, topk = kv.shape[0], topk_idxs.shape[1]
+        dev = q.device
+        hb = head_blocks(heads)
+        dkv_acc = torch.zeros((s_kv, d_qk), dtype=torch.float32, device=dev)
+        d_sink_acc = torch.empty((d_sink_parts(s_q), heads), dtype=torch.float32, device=dev)
+        d_sink = torch.empty((heads,), dtype=torch.float32, device=dev)
+        stream = current_stream(dev)
+        scalars = {"softmax_scale": softmax_scale, "s_q": s_q, "s_kv": s_kv, "topk": topk,
+                   "row_group": max(1, DET_GROUP_ROWS * topk * hb)}
+        (pre, pre_names), (main, main_names), (post, post_names) = self._stages
+
+        def launch(kernel, names, tensors):
+            kernel(*names[0](tensors), stream=stream, **{n: scalars[n] for n in names[1]})
+
+        whole = (q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, delta, lse_sink, dq, dkv,
+                 dkv_acc, d_sink_acc, d_sink, None, None, None)
+        launch(pre, pre_names, whole)
+        rows_per_chunk = deterministic_chunk_rows(s_q, topk, hb, d_qk,
+                                                  _settings.get().deterministic_workspace)
+        if s_q == 0:  # no row: dkv is the zero sum, d_sink the fold of the (empty) partials
+            empty = torch.empty((0, d_qk), dtype=torch.bfloat16, device=dev)
+            order = torch.empty((0,), dtype=torch.int32, device=dev)
+            offsets = torch.zeros((s_kv + 1,), dtype=torch.int32, device=dev)
+            launch(post, post_names, whole[:15] + (empty, order, offsets))
+            return dq, dkv, d_sink
+        rows = torch.empty((min(rows_per_chunk, s_q) * topk, hb, d_qk), dtype=torch.bfloat16,
+                           device=dev)
+        for r0 in range(0, s_q, rows_per_chunk):
+            r1 = min(s_q, r0 + rows_per_chunk)
+            part = slice(r0, r1)
+            chunk_rows = rows[:(r1 - r0) * topk]
+            length = None if topk_length is None else topk_length[part]
+            launch(main, main_names, (q[part], kv, None, dout[part], None, topk_idxs[part], length,
+                                      None, delta[part], lse_sink[part], dq[part], None, None,
+                                      None, None, chunk_rows, None, None))
+            order, offsets = dkv_row_order(topk_idxs[part], length, s_kv, hb)
+            launch(post, post_names, whole[:15] + (chunk_rows.view(-1, d_qk), order, offsets))
+        return dq, dkv, d_sink
+
+
+def head_blocks(heads: int) -> int:
+    """CTAs of the backward per query row: one per block of 64 heads."""
+    return -(-heads // 64)
+
+
+#: The deterministic postprocess sums each KV row's stored dKV rows per group of this many query
+#: rows, then the groups in order; chunks of a call are whole groups, so the bits of dkv depend
+#: on the inputs only, not on ``deterministic_workspace``.
+DET_GROUP_ROWS = 64
+
+
+def deterministic_chunk_rows(s_q: int, topk: int, head_blocks: int, d_qk: int,
+                             workspace: int) -> int:
+    """Query rows per chunk of the deterministic backward: the most whole groups of
+    :data:`DET_GROUP_ROWS` that keep ``dkv_rows`` (bf16, ``topk * head_blocks * d_qk`` values a
+    row) within ``workspace`` bytes; at least one group."""
+    per_group = max(1, DET_GROUP_ROWS * topk * head_blocks * d_qk * 2)
+    groups = max(1, workspace // per_group)
+    return min(groups * DET_GROUP_ROWS, max(s_q, 1))
+
+
+def dkv_row_order(topk_idxs: torch.Tensor, topk_length: torch.Tensor | None, s_kv: int,
+                  head_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which stored dKV rows each KV row sums, in a fixed order: ``(order, offsets)``, int32.
+
+    Row ``(t * topk + slot) * head_blocks + h`` of the deterministic main kernel's ``dkv_rows``
+    holds slot ``slot`` of query row ``t`` (head block ``h``); KV row ``j`` sums the rows
+    ``order[offsets[j]:offsets[j + 1]]``: those of every valid slot (``0 <= index < s_kv``, and
+    below ``topk_length`` when given) with index ``j``, by increasing query row, slot and head
+    block. A stable sort of the indices gives it, so it depends on the indices only.
+    """
+    s_q, topk = topk_idxs.shape
+    valid = (topk_idxs >= 0) & (topk_idxs < s_kv)
+    if topk_length is not None:
+        slots = torch.arange(topk, device=topk_idxs.device, dtype=torch.int32)
+        valid &= slots < topk_length.clamp(0, topk).to(torch.int32)[:, None]
+    # int16 keys where they fit: the radix sort then makes 2 passes instead of 4
+    key_type = torch.int16 if s_kv < torch.iinfo(torch.int16).max else torch.int32
+    keys = torch.where(valid, topk_idxs, s_kv).to(key_type).flatten()
+    sorted_keys, position = torch.sort(keys, stable=True)
+    bounds = torch.arange(s_kv + 1, device=keys.device, dtype=key_type)
+    offsets = torch.searchsorted(sorted_keys, bounds, out_int32=True)
+    if head_blocks > 1:
+        blocks = torch.arange(head_blocks, device=keys.device, dtype=position.dtype)
+        position = (position[:, None] * head_blocks + blocks).flatten()
+        offsets = offsets * head_blocks
+    return position.to(torch.int32), offsets
+
 
 def d_sink_parts(s_q: int) -> int:
     """Partial sums of ``d_sink`` a deterministic backward call folds in order: one per CTA of
     the deterministic preprocess (16 query rows each, at most 1024). The order of every sum,
     hence every bit of the result, depends on the inputs only."""
     return max(1, min(1024, -(-s_q // 16)))
-
-
-def fixed_point_scale(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
-                      softmax_scale: float) -> torch.Tensor:
-    """The deterministic backward's fixed-point scale ``[2^k, 2^-k]`` (fp32, on ``q``'s device),
-    in torch: the reference of what the deterministic preprocess kernel computes on the GPU
-    (:mod:`dsa_aot.kernels.cutedsl_bwd_preprocess`; same arithmetic, same order, so the same
-    bits). The main kernel adds ``rni(v * 2^k)`` as int64, the fold multiplies the sums by
-    ``2^-k``.
-
-    ``k`` is chosen from a bound ``B`` on every partial sum of dkv, so no sum can overflow:
-    per element, a (row, head, slot) adds ``dS q + P dO`` with ``0 <= P <= 1``, ``sum_slots P <=
-    1`` per (row, head), and ``|dS| <= P (|dP| + |delta|) scale <= P 512 max|dout| (max|kv| +
-    max|out|) scale``; over all rows and heads ``B = 2 s_q H (512 max|dout| (max|kv| + max|out|)
-    scale max|q| + max|dout|)`` (2x margin for rounding; fp64; ``scale`` as the fp32 the kernels
-    get). ``2^k`` is the largest power of two with ``B 2^k <= 2^61`` (``ceil(log2 B)`` exactly,
-    from ``frexp``): each value is rounded to ``2^-k`` (~``2^-61 B``), finer than fp32's ``2^-24
-    |sum|`` for any sum above ``2^-37 B``. A non-finite input (or a bound beyond ``2^181``, which
-    fp32 products of such inputs would overflow anyway) leaves no safe scale: the multiplier is
-    then 1 and the inverse NaN, so dkv is NaN, as a fast call's would be.
-    """
-    maxes = torch.stack([_abs_max(t) for t in (q, kv, out, dout)]).double()
-    m_q, m_kv, m_out, m_dout = maxes.unbind()
-    s_q, heads = q.shape[0], q.shape[1]
-    scale = abs(torch.tensor(softmax_scale, dtype=torch.float32).item())
-    bound = 2.0 * s_q * heads * (D_V * m_dout * (m_kv + m_out) * scale * m_q + m_dout)
-    mant, exp = torch.frexp(bound.clamp_min(2.0 ** -100))  # bound = mant 2^exp, 0.5 <= mant < 1
-    exp = (exp - (mant == 0.5).int()).double()  # ceil(log2 bound)
-    k = torch.clamp(FIXED_BITS - exp, max=float(FIXED_K_LIMIT))
-    ok = torch.isfinite(bound) & (k >= -FIXED_K_LIMIT)  # fp32 holds 2^k and 2^-k
-    k = torch.where(ok, k, torch.zeros_like(k))
-    mult = torch.exp2(k)
-    unit = torch.where(ok, torch.exp2(-k), torch.full_like(k, float("nan")))
-    return torch.stack([mult, unit]).float()
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -268,14 +327,6 @@ def _sm_count(device: torch.device) -> int:
     if sms is None:
         sms = _SM_COUNT.setdefault(index, torch.cuda.get_device_properties(index).multi_processor_count)
     return sms
-
-
-def _abs_max(t: torch.Tensor) -> torch.Tensor:
-    """``max |t|`` as an fp32 scalar tensor (0 for an empty tensor; NaN if ``t`` holds one)."""
-    if t.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=t.device)
-    lo, hi = torch.aminmax(t)
-    return torch.maximum(-lo, hi).float()
 
 
 class CubinBwd(StagedBwd):

@@ -183,6 +183,10 @@ class Settings:
     #: The backward's default when a call does not say: bit-identical gradients for the same
     #: inputs (``deterministic=True``). ``DSA_AOT_DETERMINISTIC`` (default 0).
     deterministic: bool = False
+    #: Most bytes of the deterministic backward's per-slot dKV rows (bf16, one per query row,
+    #: top-k slot, 64-head block and column) held at once; a larger call runs in chunks of query
+    #: rows. ``DSA_AOT_DETERMINISTIC_WORKSPACE`` (default 4G).
+    deterministic_workspace: int = 4 << 30
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -212,6 +216,7 @@ class Settings:
             signing_key=_path("DSA_AOT_SIGNING_KEY"),
             trusted_keys=_paths("DSA_AOT_TRUSTED_KEYS"),
             deterministic=_bool("DSA_AOT_DETERMINISTIC", False),
+            deterministic_workspace=_size("DSA_AOT_DETERMINISTIC_WORKSPACE", 4 << 30),
         )
 
 

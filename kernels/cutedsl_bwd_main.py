@@ -65,8 +65,8 @@ from cutlass.utils import hopper_helpers as sm90_utils
 
 from dsa_aot.kernels import cutedsl_common as common
 from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, HEAD_CHOICES, LAYOUTS, VEC,
-                                            acc_rows_cols, fake_tensor, run_time_sizes,
-                                            vec_stride, wg_rows_cols)
+                                            acc_rows_cols, cp_async_16_zfill, fake_tensor,
+                                            run_time_sizes, vec_stride, wg_rows_cols)
 from dsa_aot.kernels.dkv_interleave import dkv_acc_column
 
 #: Heads per CTA (MMA M of the score GEMMs) and top-k slots per block.
@@ -116,13 +116,16 @@ def opaque_i64(value: Int64, *, loc=None, ip=None) -> Int64:
 
 
 @cutlass.dsl_user_op
-def to_fixed(value: Float32, *, loc=None, ip=None) -> Int64:
-    """``value`` rounded to the nearest integer, as int64 (``cvt.rni.s64.f32``; out of range
-    saturates, NaN gives 0)."""
-    return Int64(llvm.inline_asm(Int64.mlir_type, [Float32(value).ir_value(loc=loc, ip=ip)],
-                                 "cvt.rni.s64.f32 $0, $1;", "=l,f", has_side_effects=False,
-                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                                 loc=loc, ip=ip))
+def store_bf16x4(addr: Int64, v0: Float32, v1: Float32, v2: Float32, v3: Float32, *, loc=None,
+                 ip=None) -> None:
+    """Round four fp32 values to bf16 (nearest even) and store them as one 8-byte
+    ``st.global.v2.b32`` at ``addr`` (8-byte aligned), ``v0`` first."""
+    llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)]
+                    + [Float32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1, v2, v3)],
+                    "{ .reg .b32 lo, hi; cvt.rn.bf16x2.f32 lo, $2, $1; "
+                    "cvt.rn.bf16x2.f32 hi, $4, $3; st.global.v2.b32 [$0], {lo, hi}; }",
+                    "l,f,f,f,f", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 def wg_gemm(mma: cute.TiledMma, acc: cute.Tensor, steps: list, accumulate: bool) -> None:
@@ -184,17 +187,16 @@ class SparseMlaBwdMain:
                  scatter: bool = True, impl: str = "mma", deterministic: bool = False) -> None:
         check_params(d_qk, heads, layout)
         if deterministic and atomic_width != 4:
-            raise ValueError(f"atomic_width={atomic_width!r}: the deterministic mode adds int64 "
-                             "with the 4-wide lane trades; use atomic_width=4")
+            raise ValueError(f"atomic_width={atomic_width!r}: the deterministic mode stores dKV "
+                             "rows with the 4-wide lane trades; use atomic_width=4")
         if atomic_width not in ATOMIC_WIDTHS:
             raise ValueError(f"atomic_width={atomic_width!r}: use one of {ATOMIC_WIDTHS}")
         if impl not in IMPLS:
             raise ValueError(f"impl={impl!r}: use one of {IMPLS}")
-        #: fixed-point dkv (int64 adds, order-free: the deterministic mode); only the flavours
-        #: that have it pass True (:mod:`.cutedsl_bwd_ws`, :mod:`.cutedsl_bwd_slot_major`)
+        #: the deterministic mode: each slot's dKV row stored (bf16) for a fixed-order reduction
+        #: instead of added atomically; only the flavours that have it pass True
+        #: (:mod:`.cutedsl_bwd_ws`, :mod:`.cutedsl_bwd_slot_major`)
         self.deterministic = deterministic
-        #: deterministic mode: whole 128-byte lines per atomic instruction (:meth:`scatter_fixed`)
-        self.fixed_full_lines = False
         self.impl = impl
         self.d_qk = d_qk
         self.heads = heads
@@ -204,6 +206,8 @@ class SparseMlaBwdMain:
         self.scatter = scatter
         #: threads that gather a KV block (:meth:`load_indices`, :meth:`gather`): all of them here
         self.gather_threads = THREADS
+        #: rows of the KV tile a block is gathered into (the M or N of its GEMMs)
+        self.kv_tile_rows = BLOCK_N
 
     # ---------------------------------------------------------------------------------------
     # Host side
@@ -282,7 +286,6 @@ class SparseMlaBwdMain:
         tidx, _, _ = cute.arch.thread_idx()
         t, hb, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
-        s_kv = cute.size(m_kv, mode=[0])
         topk = cute.size(m_idx, mode=[1])
         n_slots = topk
         if cutlass.const_expr(self.compact):
@@ -308,10 +311,7 @@ class SparseMlaBwdMain:
         self.load_row(t, hb, m_q, m_do, m_lse, m_delta, s_q, s_do, s_lse, s_delta, thr_copy,
                       gmem_copy, row_in_pass, tidx)
 
-        # KV rows 0..63 as a template; each thread re-bases its rows on the gathered index
-        t_g_kv = thr_copy.partition_S(cute.local_tile(m_kv, (BLOCK_N, d), (0, 0)))
-        t_s_kv = thr_copy.partition_D(s_kv_t)
-        kv_row_stride = m_kv.stride[0]
+        kv_gather = self.kv_gather_args(m_kv, s_kv_t, s_idx, s_valid, row_in_pass, tidx)
 
         # ---- MMA partitions -----------------------------------------------------------------
         thr_mma = tiled_mma.get_slice(tidx)
@@ -375,8 +375,7 @@ class SparseMlaBwdMain:
         t_s_ds_c = thr_store_c.partition_D(s_ds)
 
         # ---- prologue: block 0 in flight ---------------------------------------------------
-        self.gather_first(n_blocks, t, m_idx, n_slots, s_kv, t_g_kv, kv_row_stride, t_s_kv, s_idx,
-                          s_valid, gmem_copy, row_in_pass, tidx)
+        self.gather_first(n_blocks, t, m_idx, n_slots, kv_gather)
 
         for b in cutlass.range(n_blocks, unroll=1):
             buf = (b % 2) * BLOCK_N
@@ -416,8 +415,7 @@ class SparseMlaBwdMain:
 
             # the next block's rows stream in while dKV is computed and scattered
             if b + 1 < n_blocks:
-                self.gather(upcoming, BLOCK_N - buf, s_kv, t_g_kv, kv_row_stride, t_s_kv, s_idx,
-                            s_valid, gmem_copy, row_in_pass, tidx)
+                self.gather(upcoming, BLOCK_N - buf, *kv_gather)
             cute.arch.cp_async_commit_group()
 
             # dKV = dS^T Q + P^T dO, 64 columns at a time, atomically added at valid slots
@@ -539,7 +537,6 @@ class SparseMlaBwdMain:
         t, hb, _ = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // 128)
         lane = cute.arch.lane_idx()
-        s_kv = cute.size(m_kv, mode=[0])
         topk = cute.size(m_idx, mode=[1])
         scale_log2 = softmax_scale * Float32(LOG2E)
         smem = cutlass.utils.SmemAllocator()
@@ -560,9 +557,7 @@ class SparseMlaBwdMain:
         s_delta = storage.s_delta.get_tensor(cute.make_layout(BLOCK_H))
         thr_copy = gmem_copy.get_slice(tidx)
         row_in_pass = tidx // (64 // VEC)
-        t_g_kv = thr_copy.partition_S(cute.local_tile(m_kv, (BLOCK_N, d), (0, 0)))
-        t_s_kv = thr_copy.partition_D(s_kv_t)
-        kv_row_stride = m_kv.stride[0]
+        kv_gather = self.kv_gather_args(m_kv, s_kv_t, s_idx, s_valid, row_in_pass, tidx)
 
         # ---- warpgroup MMA operands (descriptors over shared memory) and accumulators -------
         wg_s = mma_s.get_slice(wg * 128)
@@ -606,8 +601,7 @@ class SparseMlaBwdMain:
         acc_dq.fill(0.0)
 
         # ---- prologue: block 0 in flight -----------------------------------------------
-        self.gather_first(n_blocks, t, m_idx, n_slots, s_kv, t_g_kv, kv_row_stride, t_s_kv, s_idx,
-                          s_valid, gmem_copy, row_in_pass, tidx)
+        self.gather_first(n_blocks, t, m_idx, n_slots, kv_gather)
 
         for b in cutlass.range(n_blocks, unroll=1):
             buf = (b % 2) * BLOCK_N
@@ -636,10 +630,9 @@ class SparseMlaBwdMain:
                        for s in slots]
             acc_kv = [cute.make_rmem_tensor(kv_shape, Float32) for _ in range(2)]
             self.dkv_chunks(mma_kv, acc_kv, r_dst, r_pt, r_qt, r_dot, BLOCK_H // 16, WG_CHUNK,
-                            kv_coords, row_ok, row_ptr, None, lane,
+                            kv_coords, row_ok, row_ptr, lane,
                             d if d < d_pad else None, b + 1 < n_blocks,
-                            [upcoming, BLOCK_N - buf, s_kv, t_g_kv, kv_row_stride, t_s_kv,
-                             s_idx, s_valid, gmem_copy, row_in_pass, tidx])
+                            [upcoming, BLOCK_N - buf, *kv_gather])
 
         # ---- epilogue: dq in bf16 --------------------------------------------------------
         cute.arch.cp_async_wait_group(0)
@@ -688,7 +681,7 @@ class SparseMlaBwdMain:
     @cute.jit
     def dkv_chunks(self, mma_kv: cute.TiledMma, acc_kv: list, ds_a: cute.Tensor, p_a: cute.Tensor,
                    q_b: list, dout_b: list, k_steps: cutlass.Constexpr, chunk: cutlass.Constexpr,
-                   coords: cute.Tensor, row_ok: list, row_ptr: list, mult: Float32 | None,
+                   coords: cute.Tensor, row_ok: list, row_ptr: list,
                    lane: Int32, limit: cutlass.Constexpr, more: cutlass.Boolean,
                    gather_next: list) -> None:
         """One block's ``dKV = dS^T Q + P^T dO`` column chunks (``chunk`` columns each, ``len(q_b)``
@@ -696,8 +689,7 @@ class SparseMlaBwdMain:
         accumulators of ``acc_kv`` so that chunk ``c``'s MMAs overlap chunk ``c - 1``'s atomics.
         The dQ wgmmas were committed just before: once they are done (the first chunk's wait) the
         KV tile is free, and the next block's gather (:meth:`gather` with ``gather_next``) is
-        issued when ``more``. The last chunk's columns from ``limit`` on are not stored.
-        ``mult``: the deterministic mode's fixed-point multiplier (None: fp32 atomics)."""
+        issued when ``more``. The last chunk's columns from ``limit`` on are not stored."""
         n_chunks = len(q_b)
         for c in cutlass.range_constexpr(n_chunks):
             acc = acc_kv[c % 2]
@@ -715,10 +707,10 @@ class SparseMlaBwdMain:
                 cute.arch.cp_async_commit_group()
             else:
                 self.scatter_chunk(wg_rows_cols(acc_kv[(c - 1) % 2]), coords, row_ok, row_ptr,
-                                   (c - 1) * chunk, lane, mult=mult)
+                                   (c - 1) * chunk, lane)
         warpgroup.wait_group(0)
         self.scatter_chunk(wg_rows_cols(acc_kv[(n_chunks - 1) % 2]), coords, row_ok, row_ptr,
-                           (n_chunks - 1) * chunk, lane, limit, mult)
+                           (n_chunks - 1) * chunk, lane, limit)
 
     def dkv_slots(self, base: Int32, coords: cute.Tensor, lane: Int32) -> list:
         """The slots (``base`` + accumulator row) whose ``dkv_acc`` rows this thread's
@@ -737,14 +729,26 @@ class SparseMlaBwdMain:
             return found
         return [base + coords[r, 0][0] for r in range(rows)]
 
+    def dkv_row_ptrs(self, m_dkv: cute.Tensor, s_idx: cute.Tensor, slots: list, buf: Int32,
+                     first_slot: Int32, t: Int32, hb: Int32, topk: Int32) -> list:
+        """Where :meth:`scatter_chunk` puts the dKV row of each slot of ``slots`` (positions in
+        ``s_idx``, block buffer ``buf``; the block's first top-k slot is ``first_slot``): the
+        ``dkv_acc`` row of the slot's KV index, or in the deterministic mode this CTA's own row
+        of ``dkv_rows`` [s_q * topk, head blocks, D] (query row ``t``, slot, head block
+        ``hb``)."""
+        if cutlass.const_expr(self.deterministic):
+            return [m_dkv.iterator + opaque_i64(
+                (Int64(t) * Int64(topk) + Int64(first_slot + s - buf)) * m_dkv.stride[0]
+                + Int64(hb) * m_dkv.stride[1]) for s in slots]
+        return [m_dkv.iterator + opaque_i64(Int64(s_idx[s]) * m_dkv.stride[0]) for s in slots]
+
     @cute.jit
     def scatter_chunk(self, acc: cute.Tensor, coords: cute.Tensor, row_ok: list, row_ptr: list,
-                      col0: Int32, lane: Int32, limit: cutlass.Constexpr = None,
-                      mult: Float32 | None = None) -> None:
+                      col0: Int32, lane: Int32, limit: cutlass.Constexpr = None) -> None:
         """Add one ``(64 slots, N columns)`` dKV accumulator to ``dkv_acc`` at valid slots (and
         columns below ``limit``, when given), in the interleaved column order of
         :func:`~dsa_aot.kernels.dkv_interleave.dkv_acc_column`; ``row_ok`` / ``row_ptr`` are
-        per slot of :meth:`dkv_slots`.
+        per slot of :meth:`dkv_slots` (:meth:`dkv_row_ptrs`).
 
         Warpgroup flavours, ``atomic_width=4``: per 32-column group and fragment row, a lane
         keeps the 4 values of its first two 8-column blocks and trades the other 4 with the
@@ -754,12 +758,10 @@ class SparseMlaBwdMain:
         flavour (each warp owns 16 of every 32 columns) adds value pairs with ``.v2`` atomics
         for ``atomic_width`` 2 or 4; ``atomic_width=1`` adds single values.
 
-        Deterministic mode (``mult`` given, ``dkv_acc`` int64): the same lane trades, then each
-        value ``v`` is added as the integer ``rni(v * mult)`` (``red.global.add.u64``; integer
-        adds give the same sum in any order). Value ``i`` of 16-byte slot ``s`` lands at ``16 (i
-        % 2) + 8 (i // 2) + s`` of its group (:func:`~dsa_aot.kernels.dkv_interleave.
-        dkv_fixed_column`), so one instruction per ``i`` adds 64 contiguous bytes of each of four
-        rows; with :attr:`fixed_full_lines`, :meth:`add_fixed_lines` adds whole lines instead.
+        Deterministic mode (``dkv_rows`` bf16, one writer per row): the same lane trades, then
+        each lane stores its 4 values rounded to bf16 (:func:`store_bf16x4`, 8 bytes; a quad
+        pair writes 64 contiguous bytes of a row) at the same interleaved columns; a
+        fixed-order reduction sums the rows afterwards.
 
         ``scatter=False`` keeps every instruction but the atomics, behind a run-time test that
         never passes (the dKV GEMMs stay live: a timing ablation of the atomics alone).
@@ -774,15 +776,6 @@ class SparseMlaBwdMain:
             own = cute.make_rmem_tensor(4, Float32)
             got = cute.make_rmem_tensor(4, Float32)
             vals = cute.make_rmem_tensor(4, Float32)
-            full = mult is not None and self.fixed_full_lines
-            pair = (lane // 8) % 2
-            addr = []  # full lines, per fragment row and side: (this pair's row, the other's)
-            flag = []
-            if cutlass.const_expr(full):
-                for n in cutlass.range_constexpr(2 * rows):
-                    mine = row_ptr[n].toint()
-                    addr.append((mine, cute.arch.shuffle_sync_bfly(mine, offset=8)))
-                    flag.append((row_ok[n], cute.arch.shuffle_sync_bfly(row_ok[n], offset=8)))
             for r in cutlass.range_constexpr(rows):
                 for g in cutlass.range_constexpr(cols // 8):
                     for i in cutlass.range_constexpr(4):  # blocks 4g, 4g+1 kept; 4g+2, 4g+3 traded
@@ -793,26 +786,18 @@ class SparseMlaBwdMain:
                     for side in cutlass.range_constexpr(2):  # 0: the pair's lower row, 1: upper
                         for i in cutlass.range_constexpr(4):
                             vals[i] = own[i] if upper == side else got[i]
-                        if cutlass.const_expr(full):
-                            self.add_fixed_lines(vals, addr[2 * r + side], flag[2 * r + side],
-                                                 group, lane, pair, side, limit, mult)
-                            continue
                         col = group + quad_col + 16 * (upper ^ side)
                         ok = row_ok[2 * r + side] != 0
                         if cutlass.const_expr(limit is not None):  # whole groups are padding
                             ok = ok & (group < limit)
                         if ok:
-                            if cutlass.const_expr(mult is None):
+                            if cutlass.const_expr(self.deterministic):
+                                store_bf16x4((row_ptr[2 * r + side] + col).toint(), vals[0],
+                                             vals[1], vals[2], vals[3])
+                            else:
                                 cute.arch.red((row_ptr[2 * r + side] + col).llvm_ptr,
                                               vals.load(), op="add", dtype="f32",
                                               sem="relaxed", scope="gpu")
-                            else:  # fixed point: value i of slot s at 16 (i % 2) + 8 (i // 2) + s
-                                slot = lane % 4 + 4 * (upper ^ side)
-                                for i in cutlass.range_constexpr(4):
-                                    pos = group + 16 * (i % 2) + 8 * (i // 2) + slot
-                                    cute.arch.red((row_ptr[2 * r + side] + pos).llvm_ptr,
-                                                  to_fixed(vals[i] * mult), op="add",
-                                                  dtype="u64", sem="relaxed", scope="gpu")
         elif cutlass.const_expr(self.atomic_width >= 2):
             vals = cute.make_rmem_tensor(2, Float32)
             for r in cutlass.range_constexpr(rows):
@@ -838,34 +823,6 @@ class SparseMlaBwdMain:
                             cute.arch.atomic_add(dst.llvm_ptr, acc[r, j])
                         elif col < limit:
                             cute.arch.atomic_add(dst.llvm_ptr, acc[r, j])
-
-    @cute.jit
-    def add_fixed_lines(self, vals: cute.Tensor, addr: tuple, flag: tuple, group: Int32,
-                        lane: Int32, pair: Int32, side: cutlass.Constexpr,
-                        limit: cutlass.Constexpr, mult: Float32) -> None:
-        """Deterministic mode, whole lines: a second trade with the neighbouring quad pair
-        (``lane ^ 8``: values 2 and 3; ``addr`` / ``flag``: this pair's and the other pair's row
-        address and flag) spreads each row's 32 values of the group over 16 lanes, and each
-        instruction adds two whole 128-byte lines (the L2 adds 22% faster,
-        ``bench/results/h200_l2_reduce_probe.md``) for about 20 more shuffles and selects per
-        row group: the slot-major kernel gains, the warpgroups-by-role one's dKV warpgroup (at
-        255 registers) loses."""
-        slot = lane % 4 + 4 * (((lane // 4) % 2) ^ side)
-        swap = [cute.arch.shuffle_sync_bfly(vals[2 + k], offset=8) for k in range(2)]
-        base_mine, base_other = addr
-        ok_mine, ok_other = flag
-        for w in cutlass.range_constexpr(2):  # the row of pair w
-            for k in cutlass.range_constexpr(2):  # its line k
-                val = vals[k] if pair == w else swap[k]
-                base = base_mine if pair == w else base_other
-                ok = (ok_mine if pair == w else ok_other) != 0
-                if cutlass.const_expr(limit is not None):  # whole groups are padding
-                    ok = ok & (group < limit)
-                pos = group + 16 * k + 8 * (pair ^ w) + slot
-                if ok:
-                    dst = cute.make_ptr(Int64, base + Int64(pos) * 8, cute.AddressSpace.gmem)
-                    cute.arch.red(dst.llvm_ptr, to_fixed(val * mult), op="add", dtype="u64",
-                                  sem="relaxed", scope="gpu")
 
     @cute.jit
     def load_row(self, t: Int32, hb: Int32, m_q: cute.Tensor, m_do: cute.Tensor, m_lse: cute.Tensor,
@@ -913,39 +870,57 @@ class SparseMlaBwdMain:
             found.append(idx)
         return found
 
+    def kv_gather_args(self, m_kv: cute.Tensor, s_kv_t: cute.Tensor, s_idx: cute.Tensor,
+                       s_valid: cute.Tensor, row_in_pass: Int32, tidx: Int32) -> list:
+        """What :meth:`gather` needs besides the indices and the slot buffer: KV's row count,
+        base address and row pitch (bytes), the KV tile's shared address, the slot index and
+        validity arrays, this thread's first row and its thread index."""
+        return [cute.size(m_kv, mode=[0]), m_kv.iterator.toint(), Int64(m_kv.stride[0]) * 2,
+                s_kv_t.iterator.toint(), s_idx, s_valid, row_in_pass, tidx]
+
     @cute.jit
     def gather_first(self, n_blocks: Int32, t: Int32, m_idx: cute.Tensor, n_slots: Int32,
-                     s_kv: Int32, t_g_kv: cute.Tensor, row_stride: Int64, t_s_kv: cute.Tensor,
-                     s_idx: cute.Tensor, s_valid: cute.Tensor, gmem_copy: cute.TiledCopy,
-                     row_in_pass: Int32, tidx: Int32) -> None:
+                     kv_gather: list) -> None:
         """Issue and commit block 0's gather into buffer 0 (an empty group when the row has no
-        block): :meth:`load_indices` then :meth:`gather`."""
+        block): :meth:`load_indices` then :meth:`gather` (``kv_gather``: :meth:`kv_gather_args`)."""
         if n_blocks > 0:
-            first = self.load_indices(0, t, m_idx, n_slots, row_in_pass)
-            self.gather(first, 0, s_kv, t_g_kv, row_stride, t_s_kv, s_idx, s_valid, gmem_copy,
-                        row_in_pass, tidx)
+            first = self.load_indices(0, t, m_idx, n_slots, kv_gather[-2])
+            self.gather(first, 0, *kv_gather)
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def gather(self, indices: list, buf: Int32, s_kv: Int32, t_g_kv: cute.Tensor,
-               row_stride: Int64, t_s_kv: cute.Tensor, s_idx: cute.Tensor,
-               s_valid: cute.Tensor, gmem_copy: cute.TiledCopy, row_in_pass: Int32,
+    def gather(self, indices: list, buf: Int32, s_kv: Int32, kv_base: Int64, row_bytes: Int64,
+               s_tile_base: Int32, s_idx: cute.Tensor, s_valid: cute.Tensor, row_in_pass: Int32,
                tidx: Int32) -> None:
-        """Issue the ``cp.async`` copies of one block's KV rows (no commit); record each slot's
-        index and validity at ``buf`` in ``s_idx`` / ``s_valid``."""
-        for m in cutlass.range_constexpr(cute.size(t_s_kv, mode=[1])):
-            row = row_in_pass + m * (self.gather_threads // (64 // VEC))
+        """Issue the ``cp.async`` copies of one block's KV rows into the KV tile (no commit) and
+        record each slot's index and validity at ``buf`` in ``s_idx`` / ``s_valid``.
+
+        A thread copies 16-byte chunk ``tidx % 8`` of every 64-column tile of its rows
+        ``row_in_pass + p m`` (``p``: :attr:`gather_threads` / 8 rows a pass). Branch-free: each
+        copy is a :func:`~dsa_aot.kernels.cutedsl_common.cp_async_16_zfill` of source size 16
+        (a valid slot) or 0 (a slot outside ``[0, s_kv)``: reads KV row 0's address, nothing
+        of it, and zero-fills), so ptxas predicates the copies instead of branching around
+        them. The destination is the KV tile's K-major 128-byte-swizzled layout addressed by
+        hand: 64-column tile ``c`` is :attr:`kv_tile_rows` rows of 128 bytes, contiguous, chunk
+        ``j`` of row ``r`` at ``(j ^ (r % 8)) * 16`` (the tile is 1024-byte aligned)."""
+        j = tidx % (64 // VEC)
+        rows_per_pass = self.gather_threads // (64 // VEC)
+        for m in cutlass.range_constexpr(self.kv_tile_rows // rows_per_pass):
+            row = row_in_pass + m * rows_per_pass
             idx = indices[m]
             ok = (idx >= 0) & (idx < s_kv)
+            src_row = Int32(0)
+            nbytes = Int32(0)
             if ok:
-                src_t = t_g_kv[None, m, None]
-                src = cute.make_tensor(src_t.iterator + Int64(idx - row) * row_stride, src_t.layout)
-                cute.copy(gmem_copy, src, t_s_kv[None, m, None])
-            else:
-                t_s_kv[None, m, None].fill(0)
-            if tidx % (64 // VEC) == 0:
+                src_row = idx
+                nbytes = Int32(16)
+            src = kv_base + Int64(src_row) * row_bytes + j * (VEC * 2)
+            dst = s_tile_base + row * 128 + ((j ^ (row % 8)) * 16)
+            for c in cutlass.range_constexpr(self.d_qk // 64):
+                cp_async_16_zfill(dst + c * (self.kv_tile_rows * 128), src + c * 128, nbytes)
+            if j == 0:
                 s_valid[buf + row] = Int32(1) if ok else Int32(0)
-                s_idx[buf + row] = idx if ok else Int32(0)
+                s_idx[buf + row] = src_row
 
 
 class SparseMlaBwdMainCompact(SparseMlaBwdMain):
@@ -973,17 +948,17 @@ class SparseMlaBwdMainNoncompact(SparseMlaBwdMain):
 
 
 class DeterministicCompactEntry:
-    """Entry point of the deterministic mode, compact layout: ``dkv_acc`` [s_kv, D] int64 and
-    ``dkv_scale`` [2] fp32 (the fixed-point multiplier and its inverse) after ``dq``. Mixed into
-    a flavour that has the mode (its ``launch`` takes ``dkv_scale``)."""
+    """Entry point of the deterministic mode, compact layout: ``dkv_rows`` [s_q * topk, head
+    blocks, D] bf16 (every valid slot's dKV row of this CTA's heads, interleaved columns) in
+    place of ``dkv_acc``. Mixed into a flavour that has the mode."""
 
     @cute.jit
     def __call__(self, q: cute.Tensor, kv: cute.Tensor, dout: cute.Tensor,
                  topk_idxs: cute.Tensor, topk_length: cute.Tensor, lse_sink: cute.Tensor,
-                 delta: cute.Tensor, dq: cute.Tensor, dkv_acc: cute.Tensor,
-                 dkv_scale: cute.Tensor, softmax_scale: Float32, stream: cuda.CUstream) -> None:
-        self.launch(q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc,
-                    softmax_scale, stream, dkv_scale)
+                 delta: cute.Tensor, dq: cute.Tensor, dkv_rows: cute.Tensor,
+                 softmax_scale: Float32, stream: cuda.CUstream) -> None:
+        self.launch(q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_rows,
+                    softmax_scale, stream)
 
 
 class DeterministicNoncompactEntry:
@@ -993,10 +968,15 @@ class DeterministicNoncompactEntry:
     @cute.jit
     def __call__(self, q: cute.Tensor, kv: cute.Tensor, dout: cute.Tensor,
                  topk_idxs: cute.Tensor, lse_sink: cute.Tensor, delta: cute.Tensor,
-                 dq: cute.Tensor, dkv_acc: cute.Tensor, dkv_scale: cute.Tensor,
-                 softmax_scale: Float32, stream: cuda.CUstream) -> None:
-        self.launch(q, kv, dout, topk_idxs, topk_idxs, lse_sink, delta, dq, dkv_acc,
-                    softmax_scale, stream, dkv_scale)
+                 dq: cute.Tensor, dkv_rows: cute.Tensor, softmax_scale: Float32,
+                 stream: cuda.CUstream) -> None:
+        self.launch(q, kv, dout, topk_idxs, topk_idxs, lse_sink, delta, dq, dkv_rows,
+                    softmax_scale, stream)
+
+
+def head_blocks(heads: int) -> int:
+    """CTAs per query row: one per block of 64 heads (the rows of ``dkv_rows`` per slot)."""
+    return (heads + BLOCK_H - 1) // BLOCK_H
 
 
 def fake_arguments(d_qk: int, heads: int, layout: str, deterministic: bool = False,
@@ -1007,7 +987,8 @@ def fake_arguments(d_qk: int, heads: int, layout: str, deterministic: bool = Fal
     dim of every tensor is contiguous; bf16 row/head strides are run-time multiples of 8
     elements (16-byte aligned rows for ``cp.async``), the ``dkv_acc`` row stride a multiple of 4
     (16-byte aligned rows for the vector atomics), other strides any run-time value.
-    ``deterministic``: ``dkv_acc`` is int64 (fixed point) and ``dkv_scale`` [2] fp32 follows it.
+    ``deterministic``: ``dkv_rows`` [s_q * topk, head blocks, D] bf16 instead of ``dkv_acc``
+    (row strides run-time multiples of 8 elements).
     """
     check_params(d_qk, heads, layout)
     s_q, s_kv, topk = run_time_sizes()
@@ -1025,12 +1006,12 @@ def fake_arguments(d_qk: int, heads: int, layout: str, deterministic: bool = Fal
         "lse_sink": fake(Float32, (s_q, heads), (cute.sym_int64(), 1), 4),
         "delta": fake(Float32, (s_q, heads), (cute.sym_int64(), 1), 4),
         "dq": fake(BFloat16, (s_q, heads, d_qk), (vec_stride(), vec_stride(), 1), 16),
-        # 16-byte aligned rows for the 4-wide atomics (deterministic: 32-byte, int64 values)
-        "dkv_acc": fake(Int64 if deterministic else Float32, (s_kv, d_qk),
-                        (cute.sym_int64(divisibility=4), 1), 32 if deterministic else 16),
     }
-    if deterministic:
-        args["dkv_scale"] = fake(Float32, (2,), (1,), 4)
+    if deterministic:  # one row per (query row, slot, head block)
+        args["dkv_rows"] = fake(BFloat16, (cute.sym_int32(symbol="positions"), head_blocks(heads),
+                                           d_qk), (vec_stride(), vec_stride(), 1), 16)
+    else:  # 16-byte aligned rows for the 4-wide atomics
+        args["dkv_acc"] = fake(Float32, (s_kv, d_qk), (cute.sym_int64(divisibility=4), 1), 16)
     args |= {
         "softmax_scale": Float32(1.0),
         "stream": cuda.CUstream(0),

@@ -6,12 +6,15 @@ a thread's 8 columns are 4 pairs 16 bytes apart.
 ``s_kv`` and ``D`` are run-time sizes (``D`` a multiple of 64, e.g. 512 or 576); columns are
 contiguous, row strides are run-time multiples of 8 elements with 16-byte aligned bases.
 
-Deterministic mode (:class:`SparseMlaBwdFold`): ``dkv_acc`` [s_kv, D] is int64 fixed point (the
-main kernel's order-free integer sums, columns in the order of
-:func:`~dsa_aot.kernels.dkv_interleave.dkv_fixed_column`); each value times ``dkv_scale[1]`` (a
-power of two, the inverse of the main kernel's multiplier) is rounded to bf16. ``d_sink_acc``
-[parts, H] holds one partial sum per preprocess CTA, added in index order (a fixed order, so the
-same bits on every call) into ``d_sink`` [H].
+Deterministic mode (:class:`SparseMlaBwdReduce`): the main kernel stored every valid slot's dKV
+row (bf16, one per query row, slot and head block, interleaved columns) in ``dkv_rows``; one CTA
+per KV row ``j`` sums the rows ``row_order[row_offsets[j]:row_offsets[j + 1]]`` in that order in
+fp32, one partial sum per group of ``row_group`` consecutive rows of ``dkv_rows`` (a fixed number
+of query rows), the partials added in group order to ``dkv_acc`` [s_kv, D] fp32 (natural columns;
+the running total over the query-row chunks of one call, whose bounds fall on group bounds, so
+the bits do not depend on the chunking), and writes the total as bf16 to ``dkv``.
+``d_sink_acc`` [parts, H] holds one partial sum per preprocess CTA, added in index order into
+``d_sink`` [H]. Every sum has a fixed order, so every bit depends on the inputs only.
 
 This module imports ``cutlass``: use it in a build process only.
 """
@@ -23,7 +26,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from dsa_aot.kernels.dkv_interleave import DKV_GROUP, fixed_vec_start
+from dsa_aot.kernels.dkv_interleave import DKV_GROUP
 
 #: Columns converted by one thread.
 VEC = 8
@@ -47,17 +50,6 @@ def interleaved_vec(row: cute.Tensor, vec: Int32) -> cute.Tensor:
     ``dkv_acc`` row, in natural order."""
     return cute.make_tensor(row.iterator + interleaved_start(vec),
                             cute.make_layout(INTERLEAVED_VEC_SHAPE, stride=INTERLEAVED_VEC_STRIDE))
-
-
-#: Where a thread's 8 natural columns sit in a fixed-point row, from :func:`fixed_vec_start`.
-FIXED_VEC_SHAPE, FIXED_VEC_STRIDE = (2, 4), (16, 1)
-
-
-def fixed_vec(row: cute.Tensor, vec: Int32) -> cute.Tensor:
-    """The 8 int64 values of natural columns ``[8 vec, 8 vec + 8)`` of a fixed-point ``dkv_acc``
-    row, in natural order."""
-    return cute.make_tensor(row.iterator + fixed_vec_start(vec),
-                            cute.make_layout(FIXED_VEC_SHAPE, stride=FIXED_VEC_STRIDE))
 
 
 class SparseMlaBwdPostprocess:
@@ -87,43 +79,85 @@ class SparseMlaBwdPostprocess:
             dst.store(src.load().to(BFloat16))
 
 
-class SparseMlaBwdFold:
-    """Deterministic mode: fixed-point ``dkv_acc`` back to bf16, ``d_sink`` partials added in
-    index order."""
+#: Rows a reducing thread has in flight (loads issued before the first add).
+REDUCE_UNROLL = 8
+
+
+def reduce_runs(vec: Int32) -> tuple[Int32, tuple, tuple]:
+    """Natural columns of the 8 interleaved values ``[8 vec, 8 vec + 8)`` of a ``dkv_rows`` row:
+    two runs of 4, from ``base`` and ``base + 8``, taking the values at the given offsets
+    (:func:`~dsa_aot.kernels.dkv_interleave.dkv_acc_column` inverted)."""
+    block = vec % 4
+    base = (vec // 4) * DKV_GROUP + 16 * (block // 2) + 4 * (block % 2)
+    return base, (0, 1, 4, 5), (2, 3, 6, 7)
+
+
+class SparseMlaBwdReduce:
+    """Deterministic mode: each KV row's stored dKV rows summed in a fixed order into
+    ``dkv_acc`` and ``dkv``; ``d_sink`` partials added in index order."""
 
     @cute.jit
-    def __call__(self, dkv_acc: cute.Tensor, dkv_scale: cute.Tensor, dkv: cute.Tensor,
-                 d_sink_acc: cute.Tensor, d_sink: cute.Tensor, stream: cuda.CUstream) -> None:
+    def __call__(self, dkv_rows: cute.Tensor, row_order: cute.Tensor, row_offsets: cute.Tensor,
+                 dkv_acc: cute.Tensor, dkv: cute.Tensor, d_sink_acc: cute.Tensor,
+                 d_sink: cute.Tensor, row_group: Int32, stream: cuda.CUstream) -> None:
         s_kv = cute.size(dkv_acc, mode=[0])
-        col_vecs = cute.size(dkv_acc, mode=[1]) // VEC
-        items = s_kv * col_vecs
-        heads = cute.size(d_sink, mode=[0])
-        ctas = cutlass.max((items + THREADS - 1) // THREADS, (heads + THREADS - 1) // THREADS)
-        self.kernel(dkv_acc, dkv_scale, dkv, d_sink_acc, d_sink, items, col_vecs).launch(
+        ctas = cutlass.max(s_kv, Int32(1))
+        self.kernel(dkv_rows, row_order, row_offsets, dkv_acc, dkv, d_sink_acc, d_sink, row_group,
+                    cute.size(dkv_acc, mode=[1]) // VEC).launch(
             grid=[ctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, dkv_acc: cute.Tensor, dkv_scale: cute.Tensor, dkv: cute.Tensor,
-               d_sink_acc: cute.Tensor, d_sink: cute.Tensor, items: Int32,
-               col_vecs: Int32) -> None:
+    def kernel(self, dkv_rows: cute.Tensor, row_order: cute.Tensor, row_offsets: cute.Tensor,
+               dkv_acc: cute.Tensor, dkv: cute.Tensor, d_sink_acc: cute.Tensor,
+               d_sink: cute.Tensor, row_group: Int32, col_vecs: Int32) -> None:
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        item = bidx * THREADS + tidx
-        if item < items:
-            row = item // col_vecs
-            col = item - row * col_vecs
-            unit = dkv_scale[1]
-            src = fixed_vec(dkv_acc[row, None], col).load()
-            vals = cute.make_rmem_tensor(cute.make_layout(FIXED_VEC_SHAPE), Float32)
-            for i in cutlass.range_constexpr(VEC):
-                vals[i] = Float32(src[i]) * unit
-            dst = cute.local_tile(dkv[row, None], (VEC,), (col,))
-            dst.store(vals.load().to(BFloat16))
-        if item < cute.size(d_sink, mode=[0]):
-            total = Float32(0.0)
-            for part in cutlass.range(cute.size(d_sink_acc, mode=[0]), unroll=1):
-                total = total + d_sink_acc[part, item]
-            d_sink[item] = total
+        j, _, _ = cute.arch.block_idx()
+        if j < cute.size(dkv_acc, mode=[0]):
+            start = row_offsets[j]
+            end = row_offsets[j + 1]
+            for vec in cutlass.range(tidx, col_vecs, THREADS, unroll=1):
+                total = cute.make_rmem_tensor(VEC, Float32)
+                total.fill(0.0)
+                group_sum = cute.make_rmem_tensor(VEC, Float32)
+                group_sum.fill(0.0)
+                group = Int32(0)
+                got = [cute.make_rmem_tensor(VEC, BFloat16) for _ in range(REDUCE_UNROLL)]
+                rows = [Int32(0) for _ in range(REDUCE_UNROLL)]
+                for e0 in cutlass.range(start, end, REDUCE_UNROLL, unroll=1):
+                    for u in cutlass.range_constexpr(REDUCE_UNROLL):
+                        if e0 + u < end:
+                            rows[u] = row_order[e0 + u]
+                            row = dkv_rows[rows[u], None]
+                            got[u].store(cute.local_tile(row, (VEC,), (vec,)).load())
+                    for u in cutlass.range_constexpr(REDUCE_UNROLL):  # in order: fixed sums
+                        if e0 + u < end:
+                            here = rows[u] // row_group
+                            if here != group:  # a new group of query rows: close the last
+                                for i in cutlass.range_constexpr(VEC):
+                                    total[i] = total[i] + group_sum[i]
+                                group_sum.fill(0.0)
+                                group = here
+                            vals = got[u].load().to(Float32)
+                            for i in cutlass.range_constexpr(VEC):
+                                group_sum[i] = group_sum[i] + vals[i]
+                for i in cutlass.range_constexpr(VEC):
+                    total[i] = total[i] + group_sum[i]
+                base, first, second = reduce_runs(vec)
+                for run, offs in ((0, first), (8, second)):
+                    acc = cute.local_tile(dkv_acc[j, None], (4,), ((base + run) // 4,))
+                    out = cute.local_tile(dkv[j, None], (4,), ((base + run) // 4,))
+                    summed = cute.make_rmem_tensor(4, Float32)
+                    prev = acc.load()
+                    for i in cutlass.range_constexpr(4):
+                        summed[i] = prev[i] + total[offs[i]]
+                    acc.store(summed.load())
+                    out.store(summed.load().to(BFloat16))
+        if j == 0:
+            if tidx < cute.size(d_sink, mode=[0]):
+                part_sum = Float32(0.0)
+                for part in cutlass.range(cute.size(d_sink_acc, mode=[0]), unroll=1):
+                    part_sum = part_sum + d_sink_acc[part, tidx]
+                d_sink[tidx] = part_sum
 
 
 def fake_arguments(deterministic: bool = False) -> dict[str, object]:
@@ -139,23 +173,26 @@ def fake_arguments(deterministic: bool = False) -> dict[str, object]:
     if not deterministic:
         return {"dkv_acc": matrix(Float32), "dkv": matrix(BFloat16), "stream": cuda.CUstream(0)}
     heads = cute.sym_int32(symbol="heads")
-    fixed = cute.runtime.make_fake_tensor(Int64, (s_kv, d), (cute.sym_int64(divisibility=VEC), 1),
-                                          assumed_align=32)
+    index = cute.runtime.make_fake_tensor(Int32, (cute.sym_int32(symbol="entries"),), (1,),
+                                          assumed_align=4)
+    offsets = cute.runtime.make_fake_tensor(Int32, (cute.sym_int32(symbol="s_kv_1"),), (1,),
+                                            assumed_align=4)
+    rows = cute.runtime.make_fake_tensor(BFloat16, (cute.sym_int32(symbol="rows"), d),
+                                         (cute.sym_int64(divisibility=VEC), 1), assumed_align=16)
     parts = cute.runtime.make_fake_tensor(Float32, (cute.sym_int32(symbol="parts"), heads),
                                           (cute.sym_int64(), 1), assumed_align=4)
-    return {"dkv_acc": fixed,
-            "dkv_scale": cute.runtime.make_fake_tensor(Float32, (2,), (1,), assumed_align=4),
-            "dkv": matrix(BFloat16), "d_sink_acc": parts,
+    return {"dkv_rows": rows, "row_order": index, "row_offsets": offsets,
+            "dkv_acc": matrix(Float32), "dkv": matrix(BFloat16), "d_sink_acc": parts,
             "d_sink": cute.runtime.make_fake_tensor(Float32, (heads,), (1,), assumed_align=4),
-            "stream": cuda.CUstream(0)}
+            "row_group": Int32(1), "stream": cuda.CUstream(0)}
 
 
 def compile_bwd_postprocess(arch: str, extra_options: str = "", deterministic: bool = False,
                             ) -> tuple[object, dict[str, object]]:
     """``cute.compile`` the kernel for ``arch`` (``CUTE_DSL_ARCH=<arch>`` set before import);
-    ``deterministic`` compiles :class:`SparseMlaBwdFold` instead."""
+    ``deterministic`` compiles :class:`SparseMlaBwdReduce` instead."""
     fakes = fake_arguments(deterministic)
-    kernel = SparseMlaBwdFold() if deterministic else SparseMlaBwdPostprocess()
+    kernel = SparseMlaBwdReduce() if deterministic else SparseMlaBwdPostprocess()
     compiled = cute.compile(kernel, *fakes.values(),
                             options=f"--gpu-arch {arch} {extra_options}".strip())
     return compiled, fakes

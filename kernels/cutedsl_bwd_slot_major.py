@@ -45,9 +45,9 @@ CTAs per SM at H 16, but 144 dQ accumulator registers a thread at H 32, and half
 Status: the sm_90a default at H16/H32, checked on the H200 by the GPU suites (fast and
 deterministic modes) and timed by ``bench/`` (``bench/results/h200_bwd_versions.md``).
 
-Deterministic mode (``deterministic=True``): ``dkv_acc`` is int64 and every dKV value is added as
-the fixed-point integer ``rni(v * dkv_scale[0])`` (:meth:`SparseMlaBwdMain.scatter_chunk`), as in
-:mod:`.cutedsl_bwd_ws`: integer adds commute, so every bit is reproducible.
+Deterministic mode (``deterministic=True``): each valid slot's dKV row is stored (bf16) into
+``dkv_rows`` [s_q * topk, 1, D] instead of added atomically, as in :mod:`.cutedsl_bwd_ws`; the
+deterministic postprocess sums them per KV row in a fixed order.
 
 This module imports ``cutlass``: use it in a build process only.
 """
@@ -65,8 +65,7 @@ from dsa_aot.kernels import cutedsl_bwd_main as main
 from dsa_aot.kernels.cutedsl_bwd_main import (LOG2E, DeterministicCompactEntry,
                                               DeterministicNoncompactEntry, SparseMlaBwdMain,
                                               SparseMlaBwdMainCompact,
-                                              SparseMlaBwdMainNoncompact, fake_arguments,
-                                              opaque_i64)
+                                              SparseMlaBwdMainNoncompact, fake_arguments)
 from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, LAYOUTS, VEC, wg_acc_as_a,
                                             wg_rows_cols)
 
@@ -152,7 +151,7 @@ class SparseMlaBwdSlotMajor(SparseMlaBwdMain):
         super().__init__(d_qk, heads, layout, atomic_width=atomic_width, scatter=scatter,
                          impl="wgmma", deterministic=deterministic)
         self.impl = IMPL
-        self.fixed_full_lines = True  # measured: 14.06 -> 12.03 ms at H32 D576 (S_q 4096)
+        self.kv_tile_rows = SLOTS  # a block is 128 slots, gathered 32 rows a pass
 
     # ---------------------------------------------------------------------------------------
     # Host side
@@ -162,16 +161,12 @@ class SparseMlaBwdSlotMajor(SparseMlaBwdMain):
     def launch(self, q: cute.Tensor, kv: cute.Tensor, dout: cute.Tensor, topk_idxs: cute.Tensor,
                topk_length: cute.Tensor, lse_sink: cute.Tensor, delta: cute.Tensor,
                dq: cute.Tensor, dkv_acc: cute.Tensor, softmax_scale: Float32,
-               stream: cuda.CUstream, dkv_scale: cute.Tensor = None) -> None:
+               stream: cuda.CUstream) -> None:
         d = self.d_qk
         heads = self.heads
         g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                   BFloat16, num_bits_per_copy=128)
         vecs = TILE // VEC
-        # the gather: 32 rows x 64 columns per pass over all 256 threads
-        gmem_copy = cute.make_tiled_copy_tv(
-            g2s, cute.make_layout((THREADS // vecs, vecs), stride=(vecs, 1)),
-            cute.make_layout((1, VEC)))
         # q (warpgroup 0) and dout (warpgroup 1): 16 rows x 64 columns per pass
         row_copy = cute.make_tiled_copy_tv(
             g2s, cute.make_layout((WG_THREADS // vecs, vecs), stride=(vecs, 1)),
@@ -192,10 +187,9 @@ class SparseMlaBwdSlotMajor(SparseMlaBwdMain):
         if s_q_rows > 0:
             lay, SharedStorage = shared_storage(d, heads)  # (inside: a struct is no run-time value)
             self.kernel_slot_major(
-                q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc,
-                dkv_acc if dkv_scale is None else dkv_scale, softmax_scale,
+                q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc, softmax_scale,
                 lay["q"], lay["dout"], lay["kv"], lay["ds"], lay["q_t"], lay["dout_t"],
-                lay["kv_t"], lay["ds_t"], gmem_copy, row_copy, mma_s, mma_dq, mma_kv,
+                lay["kv_t"], lay["ds_t"], row_copy, mma_s, mma_dq, mma_kv,
                 SharedStorage).launch(grid=[s_q_rows, 1, 1], block=[THREADS, 1, 1],
                                       smem=SharedStorage.size_in_bytes(), stream=stream)
 
@@ -207,13 +201,12 @@ class SparseMlaBwdSlotMajor(SparseMlaBwdMain):
     def kernel_slot_major(self, m_q: cute.Tensor, m_kv: cute.Tensor, m_do: cute.Tensor,
                           m_idx: cute.Tensor, m_len: cute.Tensor, m_lse: cute.Tensor,
                           m_delta: cute.Tensor, m_dq: cute.Tensor, m_dkv: cute.Tensor,
-                          m_scale: cute.Tensor, softmax_scale: Float32,
+                          softmax_scale: Float32,
                           s_q_layout: cute.ComposedLayout,
                           s_do_layout: cute.ComposedLayout, s_kv_layout: cute.ComposedLayout,
                           s_ds_layout: cute.ComposedLayout, s_qt_layout: cute.ComposedLayout,
                           s_dot_layout: cute.ComposedLayout, s_kt_layout: cute.ComposedLayout,
-                          s_dst_layout: cute.ComposedLayout, gmem_copy: cute.TiledCopy,
-                          row_copy: cute.TiledCopy, mma_s: cute.TiledMma, mma_dq: cute.TiledMma,
+                          s_dst_layout: cute.ComposedLayout, row_copy: cute.TiledCopy, mma_s: cute.TiledMma, mma_dq: cute.TiledMma,
                           mma_kv: cute.TiledMma, SharedStorage: cutlass.Constexpr) -> None:
         d = self.d_qk
         heads = self.heads
@@ -228,16 +221,12 @@ class SparseMlaBwdSlotMajor(SparseMlaBwdMain):
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         wtid = tidx % WG_THREADS
         lane = cute.arch.lane_idx()
-        s_kv = cute.size(m_kv, mode=[0])
         topk = cute.size(m_idx, mode=[1])
         n_slots = topk
         if cutlass.const_expr(self.compact):
             n_slots = cutlass.max(cutlass.min(m_len[t], topk), Int32(0))
         n_blocks = (n_slots + SLOTS - 1) // SLOTS
         scale_log2 = softmax_scale * Float32(LOG2E)
-        mult = None  # deterministic: the fixed-point multiplier (m_scale is unused otherwise)
-        if cutlass.const_expr(self.deterministic):
-            mult = m_scale[0]
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -265,12 +254,8 @@ class SparseMlaBwdSlotMajor(SparseMlaBwdMain):
             s_lse[tidx] = m_lse[t, tidx] * Float32(LOG2E)
             s_delta[tidx] = m_delta[t, tidx]
 
-        # gather: KV rows 0..127 as a template, each thread re-basing its rows on the index
-        thr_copy = gmem_copy.get_slice(tidx)
         row_in_pass = tidx // (TILE // VEC)
-        t_g_kv = thr_copy.partition_S(cute.local_tile(m_kv, (SLOTS, d), (0, 0)))
-        t_s_kv = thr_copy.partition_D(s_kv_t)
-        kv_row_stride = m_kv.stride[0]
+        kv_gather = self.kv_gather_args(m_kv, s_kv_t, s_idx, s_valid, row_in_pass, tidx)
 
         # ---- warpgroup MMA operands (descriptors over shared memory) and accumulators -------
         wg_s = mma_s.get_slice(0)
@@ -316,8 +301,7 @@ class SparseMlaBwdSlotMajor(SparseMlaBwdMain):
         acc_kv = [cute.make_rmem_tensor(kv_shape, Float32) for _ in range(2)]
 
         # ---- prologue: block 0 in flight ---------------------------------------------------
-        self.gather_first(n_blocks, t, m_idx, n_slots, s_kv, t_g_kv, kv_row_stride, t_s_kv, s_idx,
-                          s_valid, gmem_copy, row_in_pass, tidx)
+        self.gather_first(n_blocks, t, m_idx, n_slots, kv_gather)
 
         for b in cutlass.range(n_blocks, unroll=1):
             buf = (b % 2) * SLOTS
@@ -370,14 +354,12 @@ class SparseMlaBwdSlotMajor(SparseMlaBwdMain):
             warpgroup.commit_group()
             slots = self.dkv_slots(mine, kv_coords, lane)
             row_ok = [s_valid[s] for s in slots]
-            row_ptr = [m_dkv.iterator + opaque_i64(Int64(s_idx[s]) * m_dkv.stride[0])
-                       for s in slots]
+            row_ptr = self.dkv_row_ptrs(m_dkv, s_idx, slots, buf, b * SLOTS, t, Int32(0), topk)
             # dKV chunks (A: dS^T / P^T from registers); the next gather waits for dQ^T only
             self.dkv_chunks(mma_kv, acc_kv, r_dsa, r_pa, r_qt, r_dot, heads // 16, TILE,
-                            kv_coords, row_ok, row_ptr, mult, lane, None,
+                            kv_coords, row_ok, row_ptr, lane, None,
                             b + 1 < n_blocks,
-                            [upcoming, SLOTS - buf, s_kv, t_g_kv, kv_row_stride, t_s_kv, s_idx,
-                             s_valid, gmem_copy, row_in_pass, tidx])
+                            [upcoming, SLOTS - buf, *kv_gather])
 
         # ---- epilogue: dq[t, h, d] = dQ^T[d, h] in bf16 ----------------------------------------
         cute.arch.cp_async_wait_group(0)

@@ -15,9 +15,8 @@ and scored:
   zero-filled and flagged), ``S = Q K^T`` and ``dP = dO V^T`` (64 heads x 64 slots, k-steps
   interleaved, the first overwriting: wgmma scale-d 0), ``P = exp2(S scale log2 e - lse)``
   (invalid slots ``-inf`` before the ``exp2``), ``dS = P (dP - delta) scale``; stores ``P`` and
-  ``dS`` (bf16) for warpgroup 1 and accumulates ``dQ`` columns 0-255 (0-319 in the deterministic
-  mode at D 576: :data:`SCORE_DQ_TILES_DETERMINISTIC`) with ``dS`` straight from its registers
-  (the A operand);
+  ``dS`` (bf16) for warpgroup 1 and accumulates ``dQ`` columns 0-255 with ``dS`` straight from
+  its registers (the A operand);
 * warpgroup 1, *dKV*: accumulates the other ``dQ`` columns (``dS`` from shared memory), then
   ``dKV = dS^T Q + P^T dO`` in 64-column chunks (9 at D 576, 8 at D 512: no padding), the chunk
   GEMMs alternating between two 32-register accumulators so that chunk ``c``'s MMAs overlap
@@ -41,12 +40,11 @@ gathers the row's KV rows from L2). ``dQ`` stays in registers over the
 row (64 x 256 fp32 in warpgroup 0, 64 x 320 at D 576 / 64 x 256 at D 512 in warpgroup 1) and is
 stored as bf16 at the end (0 for a row without a valid slot).
 
-Deterministic mode (``deterministic=True``): ``dkv_acc`` is int64 and every dKV value is added as
-the fixed-point integer ``rni(v * dkv_scale[0])`` (:meth:`SparseMlaBwdMain.scatter_chunk`):
-integer adds commute, so the sum has the same bits whatever order the CTAs add in. Nothing
-else changes (dQ is a per-row register sum, fixed order). The caller picks the multiplier so
-that no partial sum can overflow (the deterministic preprocess; ``dsa_aot.runners.fixed_point_scale``
-is its torch reference).
+Deterministic mode (``deterministic=True``): instead of adding dKV atomically, warpgroup 1 stores
+each valid slot's dKV row of this CTA's 64 heads (bf16) into ``dkv_rows`` [s_q * topk, head
+blocks, D] (:meth:`SparseMlaBwdMain.scatter_chunk`), one writer per row; the deterministic
+postprocess sums every KV row's stored rows in a fixed order. Nothing else changes (dQ is a
+per-row register sum, fixed order).
 
 This module imports ``cutlass``: use it in a build process only.
 """
@@ -66,7 +64,7 @@ from dsa_aot.kernels.cutedsl_bwd_main import (BLOCK_H, BLOCK_N, LOG2E,
                                               DeterministicNoncompactEntry, SparseMlaBwdMain,
                                               SparseMlaBwdMainCompact,
                                               SparseMlaBwdMainNoncompact, fake_arguments,
-                                              opaque_i64, score_gemms, wg_gemm)
+                                              score_gemms, wg_gemm)
 from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, LAYOUTS, VEC, wg_acc_as_a,
                                             wg_rows_cols)
 
@@ -78,11 +76,8 @@ WG_THREADS = 128
 THREADS = 2 * WG_THREADS
 #: dQ column tile and dKV column chunk (MMA N): one 64-wide 128-byte swizzle atom.
 TILE = 64
-#: dQ column tiles of warpgroup 0 (the rest are warpgroup 1's) ...
+#: dQ column tiles of warpgroup 0 (the rest are warpgroup 1's).
 SCORE_DQ_TILES = 4
-#: ... and in the deterministic mode at D 576, where warpgroup 1's int64 adds would otherwise
-#: spill (120 bytes a thread with 4; none with 5): 14.43 -> 14.10 ms at H64 D576 on the H200.
-SCORE_DQ_TILES_DETERMINISTIC = 5
 #: Named barriers (0 is __syncthreads): the three hand-offs, and warpgroup 0's own.
 BAR_PDS_FULL, BAR_PDS_EMPTY, BAR_KV_EMPTY, BAR_SCORE = 1, 2, 3, 4
 
@@ -155,9 +150,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         super().__init__(d_qk, heads, layout, atomic_width=atomic_width, scatter=scatter,
                          impl="wgmma", deterministic=deterministic)
         self.impl = IMPL
-        self.fixed_full_lines = False  # measured: 14.80 -> 18.51 ms at H64 D576 with them
-        self.score_dq_tiles = (SCORE_DQ_TILES_DETERMINISTIC if deterministic and d_qk == 576
-                               else SCORE_DQ_TILES)
+        self.score_dq_tiles = SCORE_DQ_TILES
         self.gather_threads = WG_THREADS  # warpgroup 0 gathers
 
     # ---------------------------------------------------------------------------------------
@@ -168,17 +161,13 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
     def launch(self, q: cute.Tensor, kv: cute.Tensor, dout: cute.Tensor, topk_idxs: cute.Tensor,
                topk_length: cute.Tensor, lse_sink: cute.Tensor, delta: cute.Tensor,
                dq: cute.Tensor, dkv_acc: cute.Tensor, softmax_scale: Float32,
-               stream: cuda.CUstream, dkv_scale: cute.Tensor = None) -> None:
+               stream: cuda.CUstream) -> None:
         g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                   BFloat16, num_bits_per_copy=128)
         vecs = TILE // VEC
         # q and dout: 32 rows x 64 columns per pass over all threads
         row_copy = cute.make_tiled_copy_tv(
             g2s, cute.make_layout((THREADS // vecs, vecs), stride=(vecs, 1)),
-            cute.make_layout((1, VEC)))
-        # the gather: 16 rows x 64 columns per pass over warpgroup 0
-        gather_copy = cute.make_tiled_copy_tv(
-            g2s, cute.make_layout((WG_THREADS // vecs, vecs), stride=(vecs, 1)),
             cute.make_layout((1, VEC)))
         # S / dP: (64 heads, 64 slots), A = q / dout (K-major), B = the KV tile (K-major)
         mma_s = sm90_utils.make_trivial_tiled_mma(
@@ -202,10 +191,9 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         if s_q_rows > 0:
             lay, SharedStorage = shared_storage(self.d_qk)
             self.kernel_ws(
-                q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc,
-                dkv_acc if dkv_scale is None else dkv_scale, softmax_scale,
+                q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc, softmax_scale,
                 lay["q"], lay["dout"], lay["kv"], lay["p"], lay["q_t"], lay["dout_t"],
-                lay["kv_t"], lay["p_t"], row_copy, gather_copy, mma_s, mma_dq_rs, mma_dq_ss,
+                lay["kv_t"], lay["p_t"], row_copy, mma_s, mma_dq_rs, mma_dq_ss,
                 mma_kv, SharedStorage).launch(grid=[s_q_rows * n_hb, 1, 1],
                                               block=[THREADS, 1, 1],
                                               smem=SharedStorage.size_in_bytes(), stream=stream)
@@ -218,12 +206,12 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
     def kernel_ws(self, m_q: cute.Tensor, m_kv: cute.Tensor, m_do: cute.Tensor,
                   m_idx: cute.Tensor, m_len: cute.Tensor, m_lse: cute.Tensor,
                   m_delta: cute.Tensor, m_dq: cute.Tensor, m_dkv: cute.Tensor,
-                  m_scale: cute.Tensor, softmax_scale: Float32, s_q_layout: cute.ComposedLayout,
+                  softmax_scale: Float32, s_q_layout: cute.ComposedLayout,
                   s_do_layout: cute.ComposedLayout, s_kv_layout: cute.ComposedLayout,
                   s_p_layout: cute.ComposedLayout, s_qt_layout: cute.ComposedLayout,
                   s_dot_layout: cute.ComposedLayout, s_kt_layout: cute.ComposedLayout,
                   s_pt_layout: cute.ComposedLayout, row_copy: cute.TiledCopy,
-                  gather_copy: cute.TiledCopy, mma_s: cute.TiledMma, mma_dq_rs: cute.TiledMma,
+                  mma_s: cute.TiledMma, mma_dq_rs: cute.TiledMma,
                   mma_dq_ss: cute.TiledMma, mma_kv: cute.TiledMma,
                   SharedStorage: cutlass.Constexpr) -> None:
         d = self.d_qk
@@ -234,7 +222,6 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         hb = bid % n_hb
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         wtid = tidx % WG_THREADS
-        s_kv = cute.size(m_kv, mode=[0])
         topk = cute.size(m_idx, mode=[1])
         n_slots = topk
         if cutlass.const_expr(self.compact):
@@ -266,11 +253,8 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         self.load_row(t, hb, m_q, m_do, m_lse, m_delta, s_q, s_do, smem_views["lse"],
                       smem_views["delta"], thr_row, row_copy, tidx // (TILE // VEC), tidx)
         cute.arch.cp_async_commit_group()
-        thr_gather = gather_copy.get_slice(wtid)
-        t_g_kv = thr_gather.partition_S(cute.local_tile(m_kv, (BLOCK_N, d), (0, 0)))
-        t_s_kv = thr_gather.partition_D(s_kv_t)
-        gather_args = [s_kv, t_g_kv, m_kv.stride[0], t_s_kv, smem_views["idx"],
-                       smem_views["valid"], gather_copy, wtid // (TILE // VEC), wtid]
+        gather_args = self.kv_gather_args(m_kv, s_kv_t, smem_views["idx"], smem_views["valid"],
+                                          wtid // (TILE // VEC), wtid)
         if wg == 0:
             if n_blocks > 0:
                 self.gather(self.load_indices(0, t, m_idx, n_slots, wtid // (TILE // VEC)), 0,
@@ -284,7 +268,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
             self.score_warpgroup(t, hb, n_blocks, n_slots, m_idx, m_dq, softmax_scale, smem_views,
                                  gather_args, mma_s, mma_dq_rs, wtid)
         else:
-            self.dkv_warpgroup(t, hb, n_blocks, m_dq, m_dkv, m_scale, smem_views, mma_dq_ss,
+            self.dkv_warpgroup(t, hb, n_blocks, topk, m_dq, m_dkv, smem_views, mma_dq_ss,
                                mma_kv, wtid)
 
     @cute.jit
@@ -378,11 +362,11 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         self.store_dq(t, hb, m_dq, acc_dq, thr_dq, 0)
 
     @cute.jit
-    def dkv_warpgroup(self, t: Int32, hb: Int32, n_blocks: Int32, m_dq: cute.Tensor,
-                      m_dkv: cute.Tensor, m_scale: cute.Tensor, sm: dict, mma_dq: cute.TiledMma,
+    def dkv_warpgroup(self, t: Int32, hb: Int32, n_blocks: Int32, topk: Int32,
+                      m_dq: cute.Tensor, m_dkv: cute.Tensor, sm: dict, mma_dq: cute.TiledMma,
                       mma_kv: cute.TiledMma, wtid: Int32) -> None:
         """Warpgroup 1 over the row's blocks: the other dQ tiles, dKV chunks and their atomics
-        (``m_scale``: the deterministic mode's ``dkv_scale``; unused otherwise)."""
+        (the deterministic mode: their stored rows)."""
         d = self.d_qk
         n_dq = d // TILE - self.score_dq_tiles
         n_chunks = d // TILE
@@ -410,9 +394,6 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         kv_shape = thr_kv.partition_shape_C((BLOCK_N, TILE))
         kv_coords = wg_rows_cols(thr_kv.partition_C(cute.make_identity_tensor((BLOCK_N, TILE))))
         k_steps = BLOCK_H // 16
-        mult = None
-        if cutlass.const_expr(self.deterministic):
-            mult = m_scale[0]
 
         for b in cutlass.range(n_blocks, unroll=1):
             buf = (b % 2) * BLOCK_N
@@ -425,8 +406,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
             warpgroup.commit_group()
             slots = self.dkv_slots(buf, kv_coords, lane)
             row_ok = [sm["valid"][s] for s in slots]
-            row_ptr = [m_dkv.iterator + opaque_i64(Int64(sm["idx"][s]) * m_dkv.stride[0])
-                       for s in slots]
+            row_ptr = self.dkv_row_ptrs(m_dkv, sm["idx"], slots, buf, b * BLOCK_N, t, hb, topk)
             acc_kv = [cute.make_rmem_tensor(kv_shape, Float32) for _ in range(2)]
             for c in cutlass.range_constexpr(n_chunks):
                 steps = [(r_dst[None, None, k], r_qt[c][None, None, k]) for k in range(k_steps)]
@@ -443,12 +423,12 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                                                  number_of_threads=THREADS)
                 else:
                     self.scatter_chunk(wg_rows_cols(acc_kv[(c - 1) % 2]), kv_coords, row_ok,
-                                       row_ptr, (c - 1) * TILE, lane, mult=mult)
+                                       row_ptr, (c - 1) * TILE, lane)
             warpgroup.wait_group(0)
             if b + 1 < n_blocks:  # P / dS read for the last time: the next block's may land
                 cute.arch.barrier_arrive(barrier_id=BAR_PDS_EMPTY, number_of_threads=THREADS)
             self.scatter_chunk(wg_rows_cols(acc_kv[(n_chunks - 1) % 2]), kv_coords, row_ok,
-                               row_ptr, (n_chunks - 1) * TILE, lane, mult=mult)
+                               row_ptr, (n_chunks - 1) * TILE, lane)
 
         self.store_dq(t, hb, m_dq, acc_dq, thr_dq, self.score_dq_tiles)
 

@@ -1,17 +1,19 @@
 """Building blocks shared by the CuTe DSL sparse MLA kernels (forward, backward main).
 
 Compile-time parameter checks, the accumulator views the online softmax and the epilogues
-index by (row, column), quad reductions, and the dynamic-shape stand-ins every kernel is
-compiled over. Everything here is traced into the kernels at compile time; nothing runs on
-its own.
+index by (row, column), quad reductions, the dynamic-shape stand-ins every kernel is compiled
+over, and the zero-filling 16-byte ``cp.async`` of the branch-free KV gathers. Everything
+here is traced into the kernels at compile time; nothing runs on its own.
 
 This module imports ``cutlass``: use it in a build process only.
 """
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
 
 #: Value head dim of MLA.
 D_V = 512
@@ -94,3 +96,16 @@ def vec_stride() -> object:
 def fake_tensor(dtype: type, shape: tuple, stride: tuple, align: int) -> object:
     """A dynamic-shape stand-in the kernel is compiled over (``align``: bytes of the base)."""
     return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=align)
+
+
+@cutlass.dsl_user_op
+def cp_async_16_zfill(dst: Int32, src: Int64, src_bytes: Int32, *, loc=None, ip=None) -> None:
+    """One 16-byte ``cp.async.cg`` from global ``src`` to shared ``dst``, reading
+    ``src_bytes`` (16 or 0) and zero-filling the rest: an invalid slot costs the same one
+    instruction as a valid one and reads nothing."""
+    llvm.inline_asm(None, [Int32(dst).ir_value(loc=loc, ip=ip),
+                           Int64(src).ir_value(loc=loc, ip=ip),
+                           Int32(src_bytes).ir_value(loc=loc, ip=ip)],
+                    "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r",
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)

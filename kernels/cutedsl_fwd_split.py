@@ -68,11 +68,10 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from dsa_aot.kernels.cutedsl_common import (D_V, VEC, quad_max, quad_sum, wg_acc_as_a,
-                                            wg_rows_cols)
+from dsa_aot.kernels.cutedsl_common import (D_V, VEC, cp_async_16_zfill, quad_max, quad_sum,
+                                            wg_acc_as_a, wg_rows_cols)
 from dsa_aot.kernels.cutedsl_fwd import (BLOCK_H, BLOCK_N, LOG2E, M_FLOOR, THREADS, WG_THREADS,
                                          WS_ROWS_PER_PASS, SparseMlaFwd, compile_entry,
                                          producer_idx, row_lse_and_factor, wg_gemm,
@@ -544,19 +543,6 @@ class SparseMlaFwdSplit(SparseMlaFwd):
             row_sum[r] = row_sum[r] * corr + psum
             row_max[r] = m_new[r]
             acc_o_mn[r, None] = acc_o_mn[r, None].load() * corr
-
-
-@cutlass.dsl_user_op
-def cp_async_16_zfill(dst: Int32, src: Int64, src_bytes: Int32, *, loc=None, ip=None) -> None:
-    """One 16-byte ``cp.async.cg`` from global ``src`` to shared ``dst``, reading
-    ``src_bytes`` (16 or 0) and zero-filling the rest: an invalid slot costs the same one
-    instruction as a valid one and reads nothing."""
-    llvm.inline_asm(None, [Int32(dst).ir_value(loc=loc, ip=ip),
-                           Int64(src).ir_value(loc=loc, ip=ip),
-                           Int32(src_bytes).ir_value(loc=loc, ip=ip)],
-                    "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r",
-                    has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 @cute.jit

@@ -31,11 +31,11 @@ STAGE_PARAMS: dict[str, frozenset[str]] = {
     "fwd": frozenset({"q", "kv", "topk_idxs", "topk_length", "attn_sink", "out", "lse",
                       "softmax_scale", "s_q", "s_kv", "topk"}),
     "bwd_preprocess": frozenset({"out", "dout", "lse", "attn_sink", "delta", "lse_sink", "d_sink",
-                                 "d_sink_acc", "q", "kv", "dkv_max", "dkv_scale", "softmax_scale",
-                                 "s_q"}),
+                                 "d_sink_acc", "softmax_scale", "s_q"}),
     "bwd_main": frozenset({"q", "kv", "dout", "topk_idxs", "topk_length", "lse_sink", "delta", "dq",
-                           "dkv_acc", "dkv_scale", "softmax_scale", "s_q", "s_kv", "topk"}),
-    "bwd_postprocess": frozenset({"dkv_acc", "dkv_scale", "dkv", "d_sink_acc", "d_sink", "s_kv"}),
+                           "dkv_acc", "dkv_rows", "softmax_scale", "s_q", "s_kv", "topk"}),
+    "bwd_postprocess": frozenset({"dkv_acc", "dkv_rows", "row_order", "row_offsets", "dkv",
+                                  "d_sink_acc", "d_sink", "row_group", "s_kv"}),
 }
 
 

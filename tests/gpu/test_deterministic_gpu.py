@@ -1,5 +1,5 @@
 """The deterministic backward on a GPU: the same bits on every call and in every process for
-the same inputs, and the same accuracy against the torch reference as the fast mode.
+the same inputs, and nearly the fast mode's accuracy against the torch reference.
 
 Run on the H200 with the prebuilt cache (its -det specs): DSA_AOT_PREBUILT_DIR=... pytest -m gpu
 tests/gpu/test_deterministic_gpu.py
@@ -20,7 +20,6 @@ import torch
 import dsa_aot
 from dsa_aot import settings
 from dsa_aot.kernels.reference import sparse_mla_bwd_ref
-from dsa_aot.runners import d_sink_parts, fixed_point_scale
 
 from test_sparse_mla_gpu import inputs, poison, rel
 
@@ -157,23 +156,37 @@ def fast_bwd(q, kv, out, dout, lse, idx, length, sink):
 
 
 @pytest.mark.parametrize("h,d", [(64, 576), (128, 512), (16, 576), (32, 512)])
-def test_fixed_point_dkv_is_as_accurate_as_the_fast_mode(h, d):
-    """The int64 fixed-point sums lose nothing against the fast mode's fp32 atomics: both are as
-    close to the fp32 reference, and to each other."""
+def test_stored_rows_dkv_is_about_as_accurate_as_the_fast_mode(h, d):
+    """Each slot's dkv row is rounded to bf16 once before the fixed-order sum: dkv stays within
+    1.3x of the fast mode's error against the fp32 reference (measured: 1.22x), dq is the same."""
     q, kv, idx, length, sink, dout = inputs(512, 8192, h, d, 2048, seed=4)
     out, lse = forward(q, kv, idx, length, sink)
     det = det_bwd(q, kv, out, dout, lse, idx, length, sink)
     fast = fast_bwd(q, kv, out, dout, lse, idx, length, sink)
     _, rkv, _ = sparse_mla_bwd_ref(q, kv, out, dout, lse, idx, length, sink, compute_dtype=torch.float32)
     assert torch.equal(det[0], fast[0])  # dq: the same kernel, no atomics
-    assert rel(det[1], rkv) <= 1.05 * rel(fast[1], rkv) + 1e-5
+    assert rel(det[1], rkv) <= 1.3 * rel(fast[1], rkv) + 1e-5
     assert rel(det[1], fast[1]) <= 5e-3
+
+
+@pytest.mark.parametrize("workspace", [1, 3 << 20, 1 << 40])
+def test_chunking_changes_no_bit(workspace):
+    """A workspace that holds one group of 64 query rows, a few groups, or the whole call: the
+    same bits (chunks are whole groups, and groups are summed in order)."""
+    q, kv, idx, length, sink, dout = inputs(300, 2048, 128, 576, 256, seed=9)
+    out, lse = forward(q, kv, idx, length, sink)
+    want = det_bwd(q, kv, out, dout, lse, idx, length, sink)
+    with settings.scope(deterministic_workspace=workspace):
+        got = assert_repeats(2, lambda: det_bwd(q, kv, out, dout, lse, idx, length, sink))
+    for a, b in zip(want, got):
+        if a is not None:
+            assert torch.equal(a, b)
 
 
 def test_a_dominant_kv_row_neither_overflows_nor_loses_the_small_rows():
     """Every query puts most of its attention on KV row 0 (an attention sink in the KV): row 0's
-    dkv is the largest partial sum the bound must cover, the other rows' are about 1e3 times
-    smaller and must keep their accuracy under the same scale."""
+    dkv sums a large addend from every query, the other rows' are about 1e3 times smaller and
+    must keep their accuracy."""
     s_q, s_kv, h, d, k = 1024, 2048, 64, 576, 512
     q, kv, idx, length, sink, dout = inputs(s_q, s_kv, h, d, k, layout="noncompact", seed=6)
     idx[:, 0] = 0
@@ -190,59 +203,16 @@ def test_a_dominant_kv_row_neither_overflows_nor_loses_the_small_rows():
     assert rel(grads[1][:1], rkv[:1]) <= 1e-2
     assert rel(grads[1][1:], rkv[1:]) <= 1e-2  # the small rows, on their own
     fast = fast_bwd(q, kv, out, dout, lse, idx, length, sink)
-    assert rel(grads[1][1:], rkv[1:]) <= 1.05 * rel(fast[1][1:], rkv[1:]) + 1e-5
+    assert rel(grads[1][1:], rkv[1:]) <= 1.3 * rel(fast[1][1:], rkv[1:]) + 1e-5
 
 
 def test_a_nan_input_gives_a_nan_dkv_as_the_fast_mode_does():
+    """A NaN in one row of dout reaches exactly the dkv rows the fast mode's atomics reach."""
     q, kv, idx, length, sink, dout = inputs(64, 1024, 64, 576, 256, seed=8)
     out, lse = forward(q, kv, idx, length, sink)
     dout = dout.clone()
     dout[3, 5, 7] = float("nan")
-    dq, dkv, _ = det_bwd(q, kv, out, dout, lse, idx, length, sink)
-    assert torch.isnan(dkv).all()  # the bound is NaN: no finite value is claimed
-
-
-def preprocess_scale(q, kv, out, dout, lse, sink, scale) -> torch.Tensor:
-    """``dkv_scale`` as the loaded deterministic preprocess computes it (that stage alone)."""
-    s_q, h, d = q.shape
-    kernel = dsa_aot.ops._kernel("bwd", q.device, d, h, "noncompact", True)
-    work = torch.zeros(8, dtype=torch.int32, device="cuda")
-    delta = torch.empty((s_q, h), dtype=torch.float32, device="cuda")
-    parts = torch.empty((d_sink_parts(s_q), h), dtype=torch.float32, device="cuda")
-    kernel.pre(out=out, dout=dout, lse=lse, attn_sink=sink, delta=delta, lse_sink=torch.empty_like(delta),
-               d_sink_acc=parts, q=q, kv=kv, dkv_max=work[:5], dkv_scale=work[6:].view(torch.float32),
-               softmax_scale=scale)
-    torch.cuda.synchronize()
-    assert work[4].item() == parts.shape[0] * -(-h // 4)  # every CTA took a ticket
-    return work[6:].view(torch.float32).clone()
-
-
-@pytest.mark.parametrize("h,d,s_q,s_kv", [(64, 576, 4096, 8192), (16, 512, 1, 95), (128, 576, 300, 1000),
-                                          (32, 512, 7000, 70000)])
-def test_the_preprocess_computes_the_reference_scale_on_the_gpu(h, d, s_q, s_kv):
-    """The deterministic preprocess finds max |q|, |kv|, |out|, |dout| with integer atomics and
-    its last CTA turns them into ``[2^k, 2^-k]``: bit for bit what ``fixed_point_scale`` gives,
-    for plain, scaled, all-zero, NaN, infinite and out-of-range inputs."""
-    q, kv, idx, length, sink, dout = inputs(min(s_q, 512), min(s_kv, 4096), h, d, 64, seed=11)
-    out, lse = forward(q, kv, idx, length, sink)
-    g = torch.Generator(device="cuda").manual_seed(5)
-    q = torch.randn((s_q, h, d), generator=g, device="cuda").bfloat16()
-    kv = torch.randn((s_kv, d), generator=g, device="cuda").bfloat16()
-    out = out.repeat(-(-s_q // out.shape[0]), 1, 1)[:s_q].contiguous()
-    dout = torch.randn((s_q, h, 512), generator=g, device="cuda").bfloat16()
-    lse = lse.repeat(-(-s_q // lse.shape[0]), 1)[:s_q].contiguous()
-    scale = d ** -0.5
-    kv_spike = kv.clone()
-    kv_spike[s_kv - 1, d - 1] = -300.0  # the largest |kv| in the last row, last column
-    cases = {"plain": (q, kv, out, dout), "scaled": (q * 1e3, kv * 1e-2, out, dout * 7),
-             "kv spike": (q, kv_spike, out, dout),
-             "zero q": (torch.zeros_like(q), kv, out, dout), "all zero": tuple(torch.zeros_like(t) for t in (q, kv, out, dout)),
-             "huge": (q.clone().fill_(2.0 ** 120), kv.clone().fill_(2.0 ** 120), out, dout)}
-    for name, value in (("nan q", float("nan")), ("inf kv", float("inf"))):
-        bad_q, bad_kv = q.clone(), kv.clone()
-        (bad_q if name == "nan q" else bad_kv).view(-1)[-1] = value
-        cases[name] = (bad_q, bad_kv, out, dout)
-    for name, (q_, kv_, out_, dout_) in cases.items():
-        got = preprocess_scale(q_, kv_, out_, dout_, lse, sink, scale)
-        want = fixed_point_scale(q_, kv_, out_, dout_, scale)
-        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (name, got.tolist(), want.tolist())
+    _, dkv, _ = det_bwd(q, kv, out, dout, lse, idx, length, sink)
+    _, fast, _ = fast_bwd(q, kv, out, dout, lse, idx, length, sink)
+    assert torch.isnan(dkv).any()
+    assert torch.equal(torch.isnan(dkv), torch.isnan(fast))

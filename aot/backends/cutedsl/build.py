@@ -74,7 +74,8 @@ class BuildRequest(BaseModel):
     kv_stages: Literal[1, 2] | None = None
     impl: FwdImpl | BwdMainImpl | None = None
     deterministic: bool = Field(False, description="backward stages: the deterministic variant "
-                                "(fixed-point int64 dkv, d_sink partial sums folded in order)")
+                                "(per-slot dkv rows summed in a fixed order, d_sink partial sums "
+                                "folded in order)")
 
     @model_validator(mode="after")
     def _fwd_params(self) -> "BuildRequest":

@@ -55,7 +55,7 @@ BWD_MAIN_DEFAULT_IMPL_BY_HEADS: dict[tuple[str, int], str] = {
     ("sm_90a", 64): "wgmma_ws", ("sm_90a", 128): "wgmma_ws"}
 
 
-#: The backward main flavours with a deterministic mode (fixed-point int64 dkv), sm_90a only.
+#: The backward main flavours with a deterministic mode (stored per-slot dkv rows), sm_90a only.
 DETERMINISTIC_BWD_MAIN_IMPLS: tuple[str, ...] = ("wgmma_ws", "wgmma_slot_major")
 
 

@@ -138,10 +138,10 @@ class CuteExportRecord(BaseModel):
     impl: FwdImpl | BwdMainImpl | None = Field(
         None, description="fwd: mma.sync (any arch), wgmma, wgmma_pipe, wgmma_ws or wgmma_split "
         "(sm_90a); bwd_main: mma, wgmma, wgmma_slot_major or wgmma_ws (sm_90a)")
-    deterministic: bool = Field(False, description="backward: the deterministic variant (dkv_acc "
-                                "[s_kv, D] int64 fixed point with dkv_scale [2], written by the "
-                                "preprocess from q, kv and dkv_max [5]; d_sink_acc [parts, H] "
-                                "folded in order)")
+    deterministic: bool = Field(False, description="backward: the deterministic variant (the "
+                                "main kernel stores per-slot dKV rows, dkv_rows, that the "
+                                "postprocess sums in the order of row_order / row_offsets; "
+                                "d_sink_acc [parts, H] folded in order)")
     dsl_version: str
     library_sha256: str
     build_seconds: float = Field(description="compile + export in the worker, then link")

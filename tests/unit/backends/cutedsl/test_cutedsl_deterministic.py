@@ -1,10 +1,10 @@
 """The deterministic backward (``KernelSpec.deterministic``, ``deterministic=True``) on CPU.
 
 Specs and ids, which backends and archs may build it, the build requests, a real sm_90a build
-through the production path (every stage recorded as the deterministic variant, with the int64
-dkv, its scale and the partial-sum tensors in its C ABI), the fixed-point scale and column order,
-the loader refusing to end at the torch reference, and the API's argument and setting. The
-kernels' numerics and bit-identity: tests/gpu.
+through the production path (every stage recorded as the deterministic variant, with the stored
+dkv rows, their order and the partial-sum tensors in its C ABI), the order the postprocess sums
+the rows in and how a call is chunked, the loader refusing to end at the torch reference, and the
+API's argument and settings. The kernels' numerics and bit-identity: tests/gpu.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from dsa_aot.build import build_and_publish
 from dsa_aot.cache.store import ArtifactStore
 from dsa_aot.identity import can_key_builds
 from dsa_aot.loader import DeterminismUnavailableError, Loader
-from dsa_aot.kernels.dkv_interleave import dkv_fixed_column, fixed_vec_start, natural_order
-from dsa_aot.runners import d_sink_parts, fixed_point_scale
+from dsa_aot.kernels.dkv_interleave import dkv_acc_column
+from dsa_aot.runners import (DET_GROUP_ROWS, d_sink_parts, deterministic_chunk_rows,
+                             dkv_row_order)
 from dsa_aot.specs.models import KernelSpec
 from dsa_aot.specs.toolchain import Toolchain
 from dsa_aot.validate import InputError
@@ -86,125 +87,77 @@ def test_build_records_the_deterministic_abi(tmp_path):
     assert all(r.deterministic and r.name.endswith("_det_static") for r in records.values())
     tensors = {name: {a.name: len(a.shape) for a in r.args if a.kind == "tensor"} for name, r in records.items()}
     assert tensors["bwd_preprocess"]["d_sink_acc"] == 2 and "d_sink" not in tensors["bwd_preprocess"]
-    assert {n: tensors["bwd_preprocess"][n] for n in ("q", "kv", "dkv_max", "dkv_scale")} == \
-        {"q": 3, "kv": 2, "dkv_max": 1, "dkv_scale": 1}  # the preprocess computes the scale
-    assert [a.name for a in records["bwd_preprocess"].args if a.kind == "scalar"] == ["softmax_scale"]
-    assert tensors["bwd_main"]["dkv_acc"] == 2 and tensors["bwd_main"]["dkv_scale"] == 1
-    assert tensors["bwd_postprocess"] == {"dkv_acc": 2, "dkv_scale": 1, "dkv": 2, "d_sink_acc": 2,
-                                          "d_sink": 1}
+    assert tensors["bwd_main"]["dkv_rows"] == 3 and "dkv_acc" not in tensors["bwd_main"]
+    assert tensors["bwd_postprocess"] == {"dkv_rows": 2, "row_order": 1, "row_offsets": 1,
+                                          "dkv_acc": 2, "dkv": 2, "d_sink_acc": 2, "d_sink": 1}
+    assert [a.name for a in records["bwd_postprocess"].args if a.kind == "scalar"] == ["row_group"]
     dtypes = {a.name: a.dtype for a in records["bwd_main"].args if a.kind == "tensor"}
-    assert dtypes["dkv_acc"] == "int64" and dtypes["dkv_scale"] == "float32"
+    assert dtypes["dkv_rows"] == "bfloat16"
+    dtypes = {a.name: a.dtype for a in records["bwd_postprocess"].args if a.kind == "tensor"}
+    assert (dtypes["row_order"], dtypes["row_offsets"], dtypes["dkv_acc"]) == ("int32", "int32", "float32")
 
 
 def test_d_sink_partial_sums_follow_s_q():
     assert [d_sink_parts(n) for n in (0, 1, 16, 17, 4096, 100_000)] == [1, 1, 1, 2, 256, 1024]
 
 
-def _pair_addends(q, kv, dout, idx, scale):
-    """fp64 per-(row, slot) dkv addends of the sparse MLA backward (what the main kernel adds,
-    before rounding), with ``lse`` and ``delta`` from an exact forward: [s_q, K, D]."""
-    q, kv, dout = q.double(), kv.double(), dout.double()
-    g = kv[idx.long()]                                            # [s_q, K, D]
-    s = torch.einsum("thd,tkd->thk", q, g) * scale
-    p = torch.softmax(s, dim=-1)
-    out = torch.einsum("thk,tkd->thd", p, g[..., :512])
-    dp = torch.einsum("thd,tkd->thk", dout, g[..., :512])
-    delta = (dout * out).sum(-1, keepdim=True)
-    ds = p * (dp - delta) * scale
-    add = torch.einsum("thk,thd->tkd", ds, q)
-    add[..., :512] += torch.einsum("thk,thd->tkd", p, dout)
-    return add, out
+def _row_order_by_scan(idx, length, s_kv, head_blocks):
+    """What :func:`dkv_row_order` must give, by a plain scan: per KV row, the stored rows of
+    its valid slots by increasing (query row, slot, head block)."""
+    s_q, topk = idx.shape
+    per_row = [[] for _ in range(s_kv)]
+    for t in range(s_q):
+        n = topk if length is None else max(0, min(int(length[t]), topk))
+        for slot in range(n):
+            j = int(idx[t, slot])
+            if 0 <= j < s_kv:
+                per_row[j] += [(t * topk + slot) * head_blocks + h for h in range(head_blocks)]
+    offsets = [0]
+    for rows in per_row:
+        offsets.append(offsets[-1] + len(rows))
+    return [r for rows in per_row for r in rows], offsets
 
 
-@pytest.mark.parametrize("dominant", [False, True])
-def test_fixed_point_sums_are_order_free_within_the_bound_and_accurate(dominant):
-    """The scheme of the deterministic kernel, in torch: every addend rounded to ``rni(v 2^k)`` in
-    int64, summed per KV row in two different orders (same bits), every partial sum within the
-    bound (no overflow), and the result as close to the fp64 sum as fp32 atomics would be."""
-    g = torch.Generator().manual_seed(1)
-    s_q, s_kv, h, d, k = 64, 96, 16, 576, 48
-    q = torch.randn((s_q, h, d), generator=g).bfloat16()
-    kv = torch.randn((s_kv, d), generator=g).bfloat16()
-    dout = torch.randn((s_q, h, 512), generator=g).bfloat16()
-    idx = torch.stack([torch.randperm(s_kv, generator=g)[:k] for _ in range(s_q)]).int()
-    if dominant:  # every query attends mostly to KV row 0 (slot 0)
-        u = torch.randn((d,), generator=g)
-        q = (q.float() + u).bfloat16()
-        kv[0] = (0.4 * u).bfloat16()
-        idx[:, 0] = 0
-        idx[:, 1:] = torch.where(idx[:, 1:] == 0, 1, idx[:, 1:])
-    scale = d ** -0.5
-    add, out = _pair_addends(q, kv, dout, idx, scale)
-    mult, unit = fixed_point_scale(q, kv, out.bfloat16(), dout, scale).double().tolist()
-    assert mult * unit == 1.0 and mult == 2.0 ** round(torch.log2(torch.tensor(mult)).item())
-    rows = idx.long().reshape(-1)
-    flat = add.reshape(-1, d)
-    assert float(flat.abs().new_zeros((s_kv, d)).index_add_(0, rows, flat.abs()).max()) * mult < 2.0 ** 61
-    fixed = torch.round(flat * mult).long()
-    sums = []
-    for order in (torch.arange(len(rows)), torch.randperm(len(rows), generator=g)):
-        acc = torch.zeros((s_kv, d), dtype=torch.int64)
-        for i in order.tolist():  # one add at a time, as the atomics land
-            acc[rows[i]] += fixed[i]
-        sums.append(acc)
-    assert torch.equal(sums[0], sums[1])
-    exact = torch.zeros((s_kv, d), dtype=torch.float64).index_add_(0, rows, flat)
-    got = sums[0].double() * unit
-    assert float((got - exact).norm() / exact.norm()) < 1e-9
-    if dominant:  # the small rows keep their accuracy beside the dominant one
-        assert float(exact[0].norm() / exact[1:].norm(dim=1).median()) > 100
-        assert float((got[1:] - exact[1:]).norm() / exact[1:].norm()) < 1e-9
+@pytest.mark.parametrize("s_kv", [37, 40_000])  # int16 and int32 sort keys
+@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("head_blocks", [1, 2])
+def test_row_order_lists_every_valid_slot_by_query_row(s_kv, compact, head_blocks):
+    g = torch.Generator().manual_seed(s_kv + 2 * compact + head_blocks)
+    s_q, topk = 9, 12
+    idx = torch.randint(-3, s_kv + 3, (s_q, topk), generator=g, dtype=torch.int32)
+    idx[2] = idx[2, 0]  # one index over a whole row
+    idx[:, 5] = 7  # and in every row
+    length = torch.randint(-1, topk + 2, (s_q,), generator=g, dtype=torch.int32) if compact else None
+    order, offsets = dkv_row_order(idx, length, s_kv, head_blocks)
+    want_order, want_offsets = _row_order_by_scan(idx, length, s_kv, head_blocks)
+    assert order.dtype == offsets.dtype == torch.int32
+    assert offsets.tolist() == want_offsets
+    assert order[:offsets[-1]].tolist() == want_order
 
 
-def test_fixed_point_scale_edge_cases():
-    q = torch.zeros((4, 16, 576), dtype=torch.bfloat16)
-    kv = torch.zeros((8, 576), dtype=torch.bfloat16)
-    out = dout = torch.zeros((4, 16, 512), dtype=torch.bfloat16)
-    mult, unit = fixed_point_scale(q, kv, out, dout, 0.04).tolist()  # all zero: any finite scale
-    assert mult == 2.0 ** 120 and unit == 2.0 ** -120
-    mult, unit = fixed_point_scale(q[:0], kv, out[:0], dout[:0], 0.04).tolist()  # no query rows
-    assert mult == 2.0 ** 120
-    nan_dout = dout.clone()
-    nan_dout[1, 2, 3] = float("nan")
-    mult, unit = fixed_point_scale(q, kv, out, nan_dout, 0.04).tolist()
-    assert mult == 1.0 and unit != unit  # NaN: the fold writes NaN, never a finite guess
-    ones = dout.clone().fill_(1.0)
-    mult, unit = fixed_point_scale(q.clone().fill_(2.0 ** 100), kv.clone().fill_(1.0), out, ones,
-                                   0.04).tolist()  # large but representable: 2^-54 or so
-    assert mult * unit == 1.0 and mult < 2.0 ** -40
-    huge = q.clone().fill_(2.0 ** 120)  # the bound (~2^260) is beyond what fp32 scales can hold
-    mult, unit = fixed_point_scale(huge, kv.clone().fill_(2.0 ** 120), out, ones, 0.04).tolist()
-    assert mult == 1.0 and unit != unit
+def test_chunks_are_whole_groups_within_the_workspace():
+    row_bytes = 2048 * 576 * 2  # topk 2048, one head block, D 576
+    group = DET_GROUP_ROWS * row_bytes
+    assert deterministic_chunk_rows(4096, 2048, 1, 576, 4 << 30) == (4 << 30) // group * DET_GROUP_ROWS
+    assert deterministic_chunk_rows(4096, 2048, 1, 576, 1) == DET_GROUP_ROWS  # at least one group
+    assert deterministic_chunk_rows(10, 2048, 2, 576, 4 << 30) == 10  # never more than the call
+    assert deterministic_chunk_rows(0, 2048, 1, 576, 4 << 30) == 1
+    assert deterministic_chunk_rows(5000, 0, 1, 576, 4 << 30) == 5000  # no slots: one chunk
 
 
-@pytest.mark.parametrize("m_dout,k", [(1.0, 54), (1.5, 53), (0.5, 55)])
-def test_fixed_point_scale_rounds_the_bound_up_to_a_power_of_two_exactly(m_dout, k):
-    """``ceil(log2 B)`` comes from the bits of ``B`` (as in the preprocess kernel), exact at
-    powers of two: with ``q`` and ``out`` zero, ``B = 2 s_q H max|dout|`` = 128 * max|dout|."""
-    q = torch.zeros((4, 16, 576), dtype=torch.bfloat16)
-    kv = torch.ones((8, 576), dtype=torch.bfloat16)
-    out = torch.zeros((4, 16, 512), dtype=torch.bfloat16)
-    dout = torch.full((4, 16, 512), m_dout, dtype=torch.bfloat16)
-    mult, unit = fixed_point_scale(q, kv, out, dout, 0.04).tolist()
-    assert (mult, unit) == (2.0 ** k, 2.0 ** -k)
+def test_the_reduce_reads_the_interleaved_columns_back_in_natural_order():
+    """A reducing thread loads 8 contiguous interleaved values of a stored row and writes them
+    to two runs of 4 natural columns (:func:`reduce_runs`): the inverse of ``dkv_acc_column``."""
+    from dsa_aot.kernels.cutedsl_bwd_postprocess import reduce_runs
 
-
-def test_fixed_point_column_order():
-    """The kernel stores value i of 16-byte slot s of a 32-column group at 16 (i % 2) + 8 (i // 2)
-    + s (a 128-byte line per 16 lanes); the fold reads natural column 8 vec + 2 q + e at start +
-    16 e + q."""
-    order = natural_order(576, dkv_fixed_column)
-    assert sorted(order) == list(range(576))
-    for col in range(64):
-        j, q, e = (col % 32) // 8, (col // 2) % 4, col % 2
-        i, slot = 2 * (j % 2) + e, 4 * (j // 2) + q
-        assert dkv_fixed_column(col) == (col // 32) * 32 + 16 * (i % 2) + 8 * (i // 2) + slot
-    for vec in range(72):
-        for q in range(4):
-            for e in range(2):
-                assert fixed_vec_start(vec) + 16 * e + q == dkv_fixed_column(8 * vec + 2 * q + e)
-    with pytest.raises(ValueError, match="multiple of 32"):
-        natural_order(100, dkv_fixed_column)
+    seen = set()
+    for vec in range(576 // 8):
+        base, first, second = reduce_runs(vec)
+        for run, offs in ((0, first), (8, second)):
+            for i, off in enumerate(offs):
+                assert dkv_acc_column(base + run + i) == 8 * vec + off
+                seen.add(base + run + i)
+    assert seen == set(range(576))
 
 
 @pytest.fixture
@@ -253,6 +206,9 @@ def test_api_argument_and_setting():
 
 
 def test_settings_parse(monkeypatch):
+    assert settings.Settings.from_env().deterministic_workspace == 4 << 30
+    monkeypatch.setenv("DSA_AOT_DETERMINISTIC_WORKSPACE", "512M")
+    assert settings.Settings.from_env().deterministic_workspace == 512 << 20
     monkeypatch.setenv("DSA_AOT_DETERMINISTIC", "1")
     assert settings.Settings.from_env().deterministic
     monkeypatch.setenv("DSA_AOT_DETERMINISTIC", "maybe")
