@@ -120,7 +120,7 @@ class SparseMlaBwdReduce:
                 total.fill(0.0)
                 group_sum = cute.make_rmem_tensor(VEC, Float32)
                 group_sum.fill(0.0)
-                group = Int32(0)
+                group_end = row_group  # the first row past the open group
                 got = [cute.make_rmem_tensor(VEC, BFloat16) for _ in range(REDUCE_UNROLL)]
                 rows = [Int32(0) for _ in range(REDUCE_UNROLL)]
                 for e0 in cutlass.range(start, end, REDUCE_UNROLL, unroll=1):
@@ -131,12 +131,11 @@ class SparseMlaBwdReduce:
                             got[u].store(cute.local_tile(row, (VEC,), (vec,)).load())
                     for u in cutlass.range_constexpr(REDUCE_UNROLL):  # in order: fixed sums
                         if e0 + u < end:
-                            here = rows[u] // row_group
-                            if here != group:  # a new group of query rows: close the last
+                            if rows[u] >= group_end:  # a later group of query rows: close this one
                                 for i in cutlass.range_constexpr(VEC):
                                     total[i] = total[i] + group_sum[i]
                                 group_sum.fill(0.0)
-                                group = here
+                                group_end = (rows[u] // row_group + 1) * row_group
                             vals = got[u].load().to(Float32)
                             for i in cutlass.range_constexpr(VEC):
                                 group_sum[i] = group_sum[i] + vals[i]
