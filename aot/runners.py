@@ -217,13 +217,8 @@ class StagedBwd(BwdKernel):
         """The deterministic mode (CuTe DSL stages): the preprocess once; then per chunk of query
         rows the main kernel stores each valid slot's dKV row (``dkv_rows``), and the postprocess
         sums every KV row's stored rows in the order :func:`dkv_row_order` gives into
-        ``dkv_acc`` (fp32, the running total) and ``dkv``.
-
-        Chunks (:func:`deterministic_chunk_rows`) leave some SMs free of main-kernel CTAs, and
-        the postprocess of chunk ``i`` runs on a second stream beside the main kernel of chunk
-        ``i + 1`` (main kernels on a higher-priority stream, so they take the SMs first): the
-        memory-bound reduction overlaps the compute-bound main kernel. ``dkv_rows`` cycles
-        through :data:`DET_ROW_BUFFERS` buffers; the caller's stream waits for both streams."""
+        ``dkv_acc`` (fp32, the running total) and ``dkv``. Chunks hold at most
+        ``deterministic_workspace`` bytes of rows (:func:`deterministic_chunk_rows`)."""
         from dsa_aot import settings as _settings
 
         s_q, heads, d_qk = q.shape
@@ -233,71 +228,38 @@ class StagedBwd(BwdKernel):
         dkv_acc = torch.zeros((s_kv, d_qk), dtype=torch.float32, device=dev)
         d_sink_acc = torch.empty((d_sink_parts(s_q), heads), dtype=torch.float32, device=dev)
         d_sink = torch.empty((heads,), dtype=torch.float32, device=dev)
+        stream = current_stream(dev)
         scalars = {"softmax_scale": softmax_scale, "s_q": s_q, "s_kv": s_kv, "topk": topk,
                    "row_group": max(1, DET_GROUP_ROWS * topk * hb)}
         (pre, pre_names), (main, main_names), (post, post_names) = self._stages
 
-        def launch(kernel, names, tensors, stream):
+        def launch(kernel, names, tensors):
             kernel(*names[0](tensors), stream=stream, **{n: scalars[n] for n in names[1]})
 
-        caller = torch.cuda.current_stream(dev)
         whole = (q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, delta, lse_sink, dq, dkv,
                  dkv_acc, d_sink_acc, d_sink, None, None, None)
-        launch(pre, pre_names, whole, caller.cuda_stream)
+        launch(pre, pre_names, whole)
+        rows_per_chunk = deterministic_chunk_rows(s_q, topk, hb, d_qk,
+                                                  _settings.get().deterministic_workspace)
         if s_q == 0:  # no row: dkv is the zero sum, d_sink the fold of the (empty) partials
             empty = torch.empty((0, d_qk), dtype=torch.bfloat16, device=dev)
             order = torch.empty((0,), dtype=torch.int32, device=dev)
             offsets = torch.zeros((s_kv + 1,), dtype=torch.int32, device=dev)
-            launch(post, post_names, whole[:15] + (empty, order, offsets), caller.cuda_stream)
+            launch(post, post_names, whole[:15] + (empty, order, offsets))
             return dq, dkv, d_sink
-        rows_per_chunk = deterministic_chunk_rows(s_q, topk, hb, d_qk,
-                                                  _settings.get().deterministic_workspace,
-                                                  _sm_count(dev))
-        n_chunks = -(-s_q // rows_per_chunk)
-        buffers = [torch.empty((min(rows_per_chunk, s_q) * topk, hb, d_qk), dtype=torch.bfloat16,
-                               device=dev) for _ in range(min(DET_ROW_BUFFERS, n_chunks))]
-        compute, reduce = _det_streams(dev)
-        compute.wait_stream(caller)
-        reduce.wait_stream(caller)
-        freed: list[torch.cuda.Event | None] = [None] * len(buffers)
-        for i in range(n_chunks):
-            r0, r1 = i * rows_per_chunk, min(s_q, (i + 1) * rows_per_chunk)
+        rows = torch.empty((min(rows_per_chunk, s_q) * topk, hb, d_qk), dtype=torch.bfloat16,
+                           device=dev)
+        for r0 in range(0, s_q, rows_per_chunk):
+            r1 = min(s_q, r0 + rows_per_chunk)
             part = slice(r0, r1)
-            chunk_rows = buffers[i % len(buffers)][:(r1 - r0) * topk]
+            chunk_rows = rows[:(r1 - r0) * topk]
             length = None if topk_length is None else topk_length[part]
-            if freed[i % len(buffers)] is not None:  # the reduction of its last chunk is done
-                compute.wait_event(freed[i % len(buffers)])
             launch(main, main_names, (q[part], kv, None, dout[part], None, topk_idxs[part], length,
                                       None, delta[part], lse_sink[part], dq[part], None, None,
-                                      None, None, chunk_rows, None, None), compute.cuda_stream)
-            stored = torch.cuda.Event()
-            stored.record(compute)
-            with torch.cuda.stream(reduce):
-                order, offsets = dkv_row_order(topk_idxs[part], length, s_kv, hb)
-                reduce.wait_event(stored)
-                launch(post, post_names, whole[:15] + (chunk_rows.view(-1, d_qk), order, offsets),
-                       reduce.cuda_stream)
-                freed[i % len(buffers)] = torch.cuda.Event()
-                freed[i % len(buffers)].record(reduce)
-        # everything allocated here on the caller's stream is reused only after this point
-        caller.wait_stream(compute)
-        caller.wait_stream(reduce)
+                                      None, None, chunk_rows, None, None))
+            order, offsets = dkv_row_order(topk_idxs[part], length, s_kv, hb)
+            launch(post, post_names, whole[:15] + (chunk_rows.view(-1, d_qk), order, offsets))
         return dq, dkv, d_sink
-
-
-_DET_STREAMS: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
-
-
-def _det_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-    """The deterministic backward's two streams on ``device``: main kernels (high priority) and
-    reductions (low priority), made once per device."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    streams = _DET_STREAMS.get(index)
-    if streams is None:
-        high, low = torch.cuda.Stream.priority_range()[1], torch.cuda.Stream.priority_range()[0]
-        streams = _DET_STREAMS.setdefault(index, (torch.cuda.Stream(index, priority=high),
-                                                  torch.cuda.Stream(index, priority=low)))
-    return streams
 
 
 def head_blocks(heads: int) -> int:
@@ -307,24 +269,17 @@ def head_blocks(heads: int) -> int:
 
 #: The deterministic postprocess sums each KV row's stored dKV rows per group of this many query
 #: rows, then the groups in order; chunks of a call are whole groups, so the bits of dkv depend
-#: on the inputs only, not on the chunking (workspace, SM count).
-DET_GROUP_ROWS = 8
-#: ``dkv_rows`` buffers the chunks of a deterministic call cycle through (the main kernel of a
-#: chunk waits for the reduction of the chunk that used its buffer before).
-DET_ROW_BUFFERS = 3
+#: on the inputs only, not on ``deterministic_workspace``.
+DET_GROUP_ROWS = 64
 
 
-def deterministic_chunk_rows(s_q: int, topk: int, head_blocks: int, d_qk: int, workspace: int,
-                             sms: int) -> int:
-    """Query rows per chunk of the deterministic backward: whole groups of
-    :data:`DET_GROUP_ROWS`, as many as give the main kernel about 7/8 of the ``sms`` SMs (one
-    CTA per SM and head block of a row; the rest run the previous chunk's reduction), and no
-    more than keep :data:`DET_ROW_BUFFERS` buffers of ``dkv_rows`` (bf16, ``topk * head_blocks *
-    d_qk`` values a row) within ``workspace`` bytes; at least one group, at most the call."""
+def deterministic_chunk_rows(s_q: int, topk: int, head_blocks: int, d_qk: int,
+                             workspace: int) -> int:
+    """Query rows per chunk of the deterministic backward: the most whole groups of
+    :data:`DET_GROUP_ROWS` that keep ``dkv_rows`` (bf16, ``topk * head_blocks * d_qk`` values a
+    row) within ``workspace`` bytes; at least one group."""
     per_group = max(1, DET_GROUP_ROWS * topk * head_blocks * d_qk * 2)
-    by_sms = (sms - max(1, sms // 7)) // max(1, head_blocks) // DET_GROUP_ROWS
-    by_workspace = workspace // (DET_ROW_BUFFERS * per_group)
-    groups = max(1, min(by_sms, by_workspace))
+    groups = max(1, workspace // per_group)
     return min(groups * DET_GROUP_ROWS, max(s_q, 1))
 
 

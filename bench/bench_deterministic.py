@@ -27,7 +27,7 @@ from common import bwd_flops, environment, make_inputs, time_cuda  # noqa: E402
 import dsa_aot  # noqa: E402
 from dsa_aot import settings  # noqa: E402
 from dsa_aot.kernels.reference import sparse_mla_bwd_ref  # noqa: E402
-from dsa_aot.runners import DET_ROW_BUFFERS, deterministic_chunk_rows, head_blocks  # noqa: E402
+from dsa_aot.runners import deterministic_chunk_rows, head_blocks  # noqa: E402
 
 #: (S_q, S_kv, H, D_qk, K): the backward benchmark's rows.
 ROWS = [(4096, 8192, 64, 576, 2048), (4096, 8192, 128, 576, 2048), (4096, 8192, 128, 512, 1024),
@@ -63,13 +63,11 @@ def measure(x: dict, out: torch.Tensor, lse: torch.Tensor, reps: int, rounds: in
 
 
 def workspace_bytes(s_q: int, s_kv: int, heads: int, d_qk: int, topk: int) -> int:
-    """The deterministic call's dkv workspace: its buffers of bf16 dkv rows, the fp32 running
-    sum and the row order (int32, one entry per stored row)."""
+    """The deterministic call's dkv workspace: one chunk's bf16 dkv rows, the fp32 running sum
+    and the row order (int32, at least one entry per stored row)."""
     hb = head_blocks(heads)
-    rows = min(s_q, deterministic_chunk_rows(s_q, topk, hb, d_qk, settings.get().deterministic_workspace,
-                                             torch.cuda.get_device_properties(0).multi_processor_count))
-    chunks = -(-s_q // rows)
-    return min(DET_ROW_BUFFERS, chunks) * rows * topk * hb * d_qk * 2 + rows * topk * hb * 4 + s_kv * d_qk * 4
+    rows = min(s_q, deterministic_chunk_rows(s_q, topk, hb, d_qk, settings.get().deterministic_workspace))
+    return rows * topk * hb * (d_qk * 2 + 4) + s_kv * d_qk * 4
 
 
 def main() -> int:

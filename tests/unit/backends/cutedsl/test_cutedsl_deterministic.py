@@ -135,17 +135,14 @@ def test_row_order_lists_every_valid_slot_by_query_row(s_kv, compact, head_block
     assert order[:offsets[-1]].tolist() == want_order
 
 
-def test_chunks_are_whole_groups_that_leave_sms_for_the_reduction():
-    g = DET_GROUP_ROWS
-    big = 1 << 40
-    assert deterministic_chunk_rows(4096, 2048, 1, 576, big, 132) == (132 - 18) // g * g  # 112
-    assert deterministic_chunk_rows(4096, 2048, 2, 576, big, 132) == (132 - 18) // 2 // g * g  # 56
-    per_group = g * 2048 * 576 * 2
-    assert deterministic_chunk_rows(4096, 2048, 1, 576, 3 * 2 * per_group, 132) == 2 * g  # workspace
-    assert deterministic_chunk_rows(4096, 2048, 1, 576, 1, 132) == g  # at least one group
-    assert deterministic_chunk_rows(4096, 2048, 2, 576, big, 8) == g
-    assert deterministic_chunk_rows(10, 2048, 2, 576, big, 132) == 10  # never more than the call
-    assert deterministic_chunk_rows(0, 2048, 1, 576, big, 132) == 1
+def test_chunks_are_whole_groups_within_the_workspace():
+    row_bytes = 2048 * 576 * 2  # topk 2048, one head block, D 576
+    group = DET_GROUP_ROWS * row_bytes
+    assert deterministic_chunk_rows(4096, 2048, 1, 576, 4 << 30) == (4 << 30) // group * DET_GROUP_ROWS
+    assert deterministic_chunk_rows(4096, 2048, 1, 576, 1) == DET_GROUP_ROWS  # at least one group
+    assert deterministic_chunk_rows(10, 2048, 2, 576, 4 << 30) == 10  # never more than the call
+    assert deterministic_chunk_rows(0, 2048, 1, 576, 4 << 30) == 1
+    assert deterministic_chunk_rows(5000, 0, 1, 576, 4 << 30) == 5000  # no slots: one chunk
 
 
 def test_the_reduce_reads_the_interleaved_columns_back_in_natural_order():
