@@ -151,7 +151,7 @@ def test_kernel_refuses_what_it_cannot_build(tmp_path: Path) -> None:
     assert "needs sm_90a, not sm_100a" in lines[0]
     assert "heads=64" in lines[1] and "supports heads (16, 32)" in lines[1]
     assert "heads=128" in lines[2]
-    assert "atomic_width=2: the deterministic mode adds int64" in lines[3]
+    assert "atomic_width=2: the deterministic mode stores dKV rows" in lines[3]
 
 
 _VIEW_CHECK = """

@@ -199,7 +199,7 @@ def test_kernel_refuses_what_it_cannot_build(tmp_path: Path) -> None:
     assert "heads=16" in lines[2] and "supports heads (64, 128)" in lines[2]
     assert "impl='wgmma_slot_major'" in lines[2]
     assert "heads=32" in lines[3]
-    assert "atomic_width=2: the deterministic mode adds int64" in lines[4]
+    assert "atomic_width=2: the deterministic mode stores dKV rows" in lines[4]
     assert "this module builds impl='wgmma_ws'" in lines[5]
 
 
