@@ -65,7 +65,7 @@ from cutlass.utils import hopper_helpers as sm90_utils
 
 from dsa_aot.kernels import cutedsl_common as common
 from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, HEAD_CHOICES, LAYOUTS, VEC,
-                                            acc_rows_cols, cp_async_16_zfill, fake_tensor,
+                                            acc_rows_cols, fake_tensor, gather_row_zfill,
                                             run_time_sizes, vec_stride, wg_rows_cols)
 from dsa_aot.kernels.dkv_interleave import dkv_acc_column
 
@@ -626,8 +626,7 @@ class SparseMlaBwdMain:
             warpgroup.commit_group()
             slots = self.dkv_slots(buf, kv_coords, lane)
             row_ok = [s_valid[s] for s in slots]
-            row_ptr = [m_dkv.iterator + opaque_i64(Int64(s_idx[s]) * m_dkv.stride[0])
-                       for s in slots]
+            row_ptr = self.dkv_row_ptrs(m_dkv, s_idx, slots, buf, b * BLOCK_N, t, hb, topk)
             acc_kv = [cute.make_rmem_tensor(kv_shape, Float32) for _ in range(2)]
             self.dkv_chunks(mma_kv, acc_kv, r_dst, r_pt, r_qt, r_dot, BLOCK_H // 16, WG_CHUNK,
                             kv_coords, row_ok, row_ptr, lane,
@@ -896,28 +895,15 @@ class SparseMlaBwdMain:
         record each slot's index and validity at ``buf`` in ``s_idx`` / ``s_valid``.
 
         A thread copies 16-byte chunk ``tidx % 8`` of every 64-column tile of its rows
-        ``row_in_pass + p m`` (``p``: :attr:`gather_threads` / 8 rows a pass). Branch-free: each
-        copy is a :func:`~dsa_aot.kernels.cutedsl_common.cp_async_16_zfill` of source size 16
-        (a valid slot) or 0 (a slot outside ``[0, s_kv)``: reads KV row 0's address, nothing
-        of it, and zero-fills), so ptxas predicates the copies instead of branching around
-        them. The destination is the KV tile's K-major 128-byte-swizzled layout addressed by
-        hand: 64-column tile ``c`` is :attr:`kv_tile_rows` rows of 128 bytes, contiguous, chunk
-        ``j`` of row ``r`` at ``(j ^ (r % 8)) * 16`` (the tile is 1024-byte aligned)."""
+        ``row_in_pass + p m`` (``p``: :attr:`gather_threads` / 8 rows a pass) into the tile's
+        :attr:`kv_tile_rows`-row slabs, branch-free
+        (:func:`~dsa_aot.kernels.cutedsl_common.gather_row_zfill`)."""
         j = tidx % (64 // VEC)
         rows_per_pass = self.gather_threads // (64 // VEC)
         for m in cutlass.range_constexpr(self.kv_tile_rows // rows_per_pass):
             row = row_in_pass + m * rows_per_pass
-            idx = indices[m]
-            ok = (idx >= 0) & (idx < s_kv)
-            src_row = Int32(0)
-            nbytes = Int32(0)
-            if ok:
-                src_row = idx
-                nbytes = Int32(16)
-            src = kv_base + Int64(src_row) * row_bytes + j * (VEC * 2)
-            dst = s_tile_base + row * 128 + ((j ^ (row % 8)) * 16)
-            for c in cutlass.range_constexpr(self.d_qk // 64):
-                cp_async_16_zfill(dst + c * (self.kv_tile_rows * 128), src + c * 128, nbytes)
+            ok, src_row = gather_row_zfill(indices[m], s_kv, j, row, kv_base, row_bytes,
+                                           s_tile_base, self.kv_tile_rows, 0, self.d_qk // 64)
             if j == 0:
                 s_valid[buf + row] = Int32(1) if ok else Int32(0)
                 s_idx[buf + row] = src_row

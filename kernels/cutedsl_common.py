@@ -2,8 +2,8 @@
 
 Compile-time parameter checks, the accumulator views the online softmax and the epilogues
 index by (row, column), quad reductions, the dynamic-shape stand-ins every kernel is compiled
-over, and the zero-filling 16-byte ``cp.async`` of the branch-free KV gathers. Everything
-here is traced into the kernels at compile time; nothing runs on its own.
+over, and the branch-free KV row gather (zero-filling 16-byte ``cp.async``). Everything here
+is traced into the kernels at compile time; nothing runs on its own.
 
 This module imports ``cutlass``: use it in a build process only.
 """
@@ -109,3 +109,26 @@ def cp_async_16_zfill(dst: Int32, src: Int64, src_bytes: Int32, *, loc=None, ip=
                     "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r",
                     has_side_effects=True, is_align_stack=False,
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@cute.jit
+def gather_row_zfill(idx: Int32, s_kv: Int32, j: Int32, row: Int32, kv_base: Int64,
+                     row_bytes: Int64, s_tile_base: Int32, tile_rows: cutlass.Constexpr,
+                     lo: cutlass.Constexpr, hi: cutlass.Constexpr) -> tuple:
+    """Gather KV row ``idx`` into row ``row`` of a shared KV tile, this thread's share: 16-byte
+    chunk ``j`` of each 64-column tile in ``[lo, hi)``. The tile is K-major, 128-byte swizzled
+    and 1024-byte aligned, addressed by hand: 64-column tile ``c`` is ``tile_rows`` rows of 128
+    bytes from ``s_tile_base``, chunk ``j`` of row ``r`` at ``(j ^ (r % 8)) * 16``. Branch-free:
+    a row outside ``[0, s_kv)`` is copied from KV row 0 with a source size of 0 (reads nothing,
+    zero-fills), so ptxas predicates the copies. Returns ``(valid, the row read)``."""
+    valid = (idx >= 0) & (idx < s_kv)
+    src_row = Int32(0)
+    nbytes = Int32(0)
+    if valid:
+        src_row = idx
+        nbytes = Int32(16)
+    src = kv_base + Int64(src_row) * row_bytes + j * (VEC * 2)
+    dst = s_tile_base + row * 128 + ((j ^ (row % 8)) * 16)
+    for c in cutlass.range_constexpr(lo, hi):
+        cp_async_16_zfill(dst + c * (tile_rows * 128), src + c * 128, nbytes)
+    return valid, src_row

@@ -70,7 +70,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from dsa_aot.kernels.cutedsl_common import (D_V, VEC, cp_async_16_zfill, quad_max, quad_sum,
+from dsa_aot.kernels.cutedsl_common import (D_V, VEC, gather_row_zfill, quad_max, quad_sum,
                                             wg_acc_as_a, wg_rows_cols)
 from dsa_aot.kernels.cutedsl_fwd import (BLOCK_H, BLOCK_N, LOG2E, M_FLOOR, THREADS, WG_THREADS,
                                          WS_ROWS_PER_PASS, SparseMlaFwd, compile_entry,
@@ -552,25 +552,15 @@ def gather_half(idx: list, buf: cutlass.Constexpr, p_row: Int32, s_kv: Int32,
                 flag_base: Int32, wtid: Int32, flags: cutlass.Constexpr) -> None:
     """A producer thread's share of column tiles ``[lo, hi)`` of KV buffer ``buf``'s block:
     16-byte chunk ``wtid % 8`` of each 128-byte tile of its rows ``p_row + 16 m`` (row
-    ``idx[m]`` of KV), to its 128-byte-swizzled place (chunk ``j ^ (row % 8)`` of the row's
-    128 bytes in the tile's 64-row slab: the KV layout of
-    :func:`~dsa_aot.kernels.cutedsl_fwd.wg_smem_layouts`, addressed by hand). Branch-free: a
-    slot outside ``[0, s_kv)`` reads row 0 with a source size of 0, i.e. zero-fills; with
-    ``flags``, each row's validity into
-    ``s_flags[flag_base + row]``."""
+    ``idx[m]`` of KV) into the buffer's 64-row slabs (the KV layout of
+    :func:`~dsa_aot.kernels.cutedsl_fwd.wg_smem_layouts`), branch-free
+    (:func:`~dsa_aot.kernels.cutedsl_common.gather_row_zfill`); with ``flags``, each row's
+    validity into ``s_flags[flag_base + row]``."""
     j = wtid % (TILE // VEC)
     for m in cutlass.range_constexpr(BLOCK_N // WS_ROWS_PER_PASS):
         row = p_row + m * WS_ROWS_PER_PASS
-        valid = (idx[m] >= 0) & (idx[m] < s_kv)
-        src_row = Int32(0)
-        nbytes = Int32(0)
-        if valid:
-            src_row = idx[m]
-            nbytes = Int32(16)
-        src = kv_base + Int64(src_row) * row_bytes + j * VEC * 2
-        dst = s_kv_base + buf * (BLOCK_N * d * 2) + row * 128 + ((j ^ (row % 8)) * 16)
-        for c in cutlass.range_constexpr(lo, hi):
-            cp_async_16_zfill(dst + c * (BLOCK_N * TILE * 2), src + c * (TILE * 2), nbytes)
+        valid, _ = gather_row_zfill(idx[m], s_kv, j, row, kv_base, row_bytes,
+                                    s_kv_base + buf * (BLOCK_N * d * 2), BLOCK_N, lo, hi)
         if cutlass.const_expr(flags):
             if j == 0:
                 s_flags[flag_base + row] = Int32(1) if valid else Int32(0)
