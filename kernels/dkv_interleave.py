@@ -24,10 +24,9 @@ def dkv_acc_column(col):
         | (((col >> 3) & 1) << 1) | (col & 1)
 
 
-def natural_order(width: int, column=dkv_acc_column) -> list[int]:
+def natural_order(width: int) -> list[int]:
     """For each natural column ``c < width``, its index in a ``dkv_acc`` row: ``acc[..., order]``
-    is dKV in natural order (``width`` a multiple of :data:`DKV_GROUP`; ``column``:
-    :func:`dkv_acc_column`)."""
+    is dKV in natural order (``width`` a multiple of :data:`DKV_GROUP`)."""
     if width % DKV_GROUP:
         raise ValueError(f"width={width}: must be a multiple of {DKV_GROUP}")
-    return [column(c) for c in range(width)]
+    return [dkv_acc_column(c) for c in range(width)]
