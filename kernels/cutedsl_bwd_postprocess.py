@@ -10,9 +10,11 @@ Deterministic mode (:class:`SparseMlaBwdReduce`): the main kernel stored every v
 row (bf16, one per query row, slot and head block, interleaved columns) in ``dkv_rows``; one CTA
 per KV row ``j`` sums the rows ``row_order[row_offsets[j]:row_offsets[j + 1]]`` in that order in
 fp32, one partial sum per group of ``row_group`` consecutive rows of ``dkv_rows`` (a fixed number
-of query rows), the partials added in group order to ``dkv_acc`` [s_kv, D] fp32 (natural columns;
-the running total over the query-row chunks of one call, whose bounds fall on group bounds, so
-the bits do not depend on the chunking), and writes the total as bf16 to ``dkv``.
+of query rows), each partial added in turn, in group order, to the running total read from
+``dkv_acc`` [s_kv, D] fp32 (natural columns; the total over the call's earlier query-row chunks,
+whose bounds fall on group bounds); it writes the total back there and as bf16 to ``dkv``. The
+total thus takes the same additions in the same order however the call is chunked: the bits do
+not depend on the chunking.
 ``d_sink_acc`` [parts, H] holds one partial sum per preprocess CTA, added in index order into
 ``d_sink`` [H]. Every sum has a fixed order, so every bit depends on the inputs only.
 
@@ -116,8 +118,14 @@ class SparseMlaBwdReduce:
             start = row_offsets[j]
             end = row_offsets[j + 1]
             for vec in cutlass.range(tidx, col_vecs, THREADS, unroll=1):
+                # the running total over the call's earlier chunks, in this row's order; each
+                # group's partial is added to it in turn, so a call's chunking changes no bit
+                base, first, second = reduce_runs(vec)
                 total = cute.make_rmem_tensor(VEC, Float32)
-                total.fill(0.0)
+                for run, offs in ((0, first), (8, second)):
+                    prev = cute.local_tile(dkv_acc[j, None], (4,), ((base + run) // 4,)).load()
+                    for i in cutlass.range_constexpr(4):
+                        total[offs[i]] = prev[i]
                 group_sum = cute.make_rmem_tensor(VEC, Float32)
                 group_sum.fill(0.0)
                 group_end = row_group  # the first row past the open group
@@ -139,16 +147,15 @@ class SparseMlaBwdReduce:
                             vals = got[u].load().to(Float32)
                             for i in cutlass.range_constexpr(VEC):
                                 group_sum[i] = group_sum[i] + vals[i]
-                for i in cutlass.range_constexpr(VEC):
-                    total[i] = total[i] + group_sum[i]
-                base, first, second = reduce_runs(vec)
+                if start < end:  # the last group (a row with no stored row keeps its total)
+                    for i in cutlass.range_constexpr(VEC):
+                        total[i] = total[i] + group_sum[i]
                 for run, offs in ((0, first), (8, second)):
                     acc = cute.local_tile(dkv_acc[j, None], (4,), ((base + run) // 4,))
                     out = cute.local_tile(dkv[j, None], (4,), ((base + run) // 4,))
                     summed = cute.make_rmem_tensor(4, Float32)
-                    prev = acc.load()
                     for i in cutlass.range_constexpr(4):
-                        summed[i] = prev[i] + total[offs[i]]
+                        summed[i] = total[offs[i]]
                     acc.store(summed.load())
                     out.store(summed.load().to(BFloat16))
         if j == 0:
