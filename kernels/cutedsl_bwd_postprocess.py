@@ -147,9 +147,8 @@ class SparseMlaBwdReduce:
                             vals = got[u].load().to(Float32)
                             for i in cutlass.range_constexpr(VEC):
                                 group_sum[i] = group_sum[i] + vals[i]
-                if start < end:  # the last group (a row with no stored row keeps its total)
-                    for i in cutlass.range_constexpr(VEC):
-                        total[i] = total[i] + group_sum[i]
+                for i in cutlass.range_constexpr(VEC):  # the last group
+                    total[i] = total[i] + group_sum[i]
                 for run, offs in ((0, first), (8, second)):
                     acc = cute.local_tile(dkv_acc[j, None], (4,), ((base + run) // 4,))
                     out = cute.local_tile(dkv[j, None], (4,), ((base + run) // 4,))
