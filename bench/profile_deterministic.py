@@ -35,7 +35,7 @@ PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("postprocess", ("cutedsl_bwd_postprocess",)),
     ("preprocess", ("cutedsl_bwd_preprocess",)),
     ("main", ("cutedsl_bwd_ws", "cutedsl_bwd_slot_major", "cutedsl_bwd_main")),
-    ("sort", ("radix", "Radix", "sort", "Sort", "searchsorted", "cub::")),
+    ("sort", ("sort", "Sort", "cub::")),  # CUB's radix sort kernels, torch's searchsorted
     ("torch", ()),
 )
 
@@ -52,12 +52,11 @@ def summarize(kernels: list[tuple[str, float, float]]) -> dict:
     """Per phase the GPU time (ms) and count of ``kernels`` ``(name, start_us, end_us)``, the
     call's span on the GPU and its idle time between kernels (ms)."""
     phases = {phase: {"ms": 0.0, "kernels": 0} for phase, _ in PHASES}
-    busy = 0.0
     for name, start, end in kernels:
         p = phases[phase_of(name)]
         p["ms"] += (end - start) / 1e3
         p["kernels"] += 1
-        busy += (end - start) / 1e3
+    busy = sum(p["ms"] for p in phases.values())
     span = (max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)) / 1e3 if kernels else 0.0
     return {"span_ms": round(span, 4), "idle_ms": round(max(0.0, span - busy), 4),
             "phases": {k: {"ms": round(v["ms"], 4), "kernels": v["kernels"]} for k, v in phases.items()}}
