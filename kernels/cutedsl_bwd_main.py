@@ -139,18 +139,22 @@ def wg_gemm(mma: cute.TiledMma, acc: cute.Tensor, steps: list, accumulate: bool)
 
 
 def score_gemms(mma_s: cute.TiledMma, acc_shape, r_q: cute.Tensor, r_do: cute.Tensor,
-                r_k: cute.Tensor, d_qk: int) -> tuple[cute.Tensor, cute.Tensor]:
+                r_k: cute.Tensor, d_qk: int,
+                kv_is_a: bool = False) -> tuple[cute.Tensor, cute.Tensor]:
     """``S = Q K^T`` and ``dP = dO V^T`` for one block, waited for: the k-steps interleaved, so
     each K descriptor feeds both GEMMs back to back (no long live ranges); k = 0 overwrites the
-    accumulators (wgmma scale-d 0, no zero-fill). Returns ``(acc_s, acc_dp)``."""
+    accumulators (wgmma scale-d 0, no zero-fill). ``kv_is_a``: the slot-major orientation,
+    ``S^T = K Q^T`` and ``dP^T = V dO^T`` (the KV tile the A operand). Returns
+    ``(acc_s, acc_dp)``."""
     acc_s = cute.make_rmem_tensor(acc_shape, Float32)
     acc_dp = cute.make_rmem_tensor(acc_shape, Float32)
     warpgroup.fence()
     for k in range(d_qk // 16):  # a plain function: Python loops unroll while tracing
         mma_s.set(warpgroup.Field.ACCUMULATE, k > 0)
-        cute.gemm(mma_s, acc_s, r_q[None, None, k], r_k[None, None, k], acc_s)
-        if k < D_V // 16:
-            cute.gemm(mma_s, acc_dp, r_do[None, None, k], r_k[None, None, k], acc_dp)
+        pairs = [(acc_s, r_q)] + ([(acc_dp, r_do)] if k < D_V // 16 else [])
+        for acc, rows in pairs:
+            a, b = (r_k, rows) if kv_is_a else (rows, r_k)
+            cute.gemm(mma_s, acc, a[None, None, k], b[None, None, k], acc)
     warpgroup.commit_group()
     warpgroup.wait_group(0)
     return acc_s, acc_dp

@@ -142,6 +142,32 @@ def shared_storage(d_qk: int, heads: int) -> tuple[dict[str, cute.ComposedLayout
     return lay, SharedStorage
 
 
+@cute.jit
+def softmax_grad_slot_major(acc_s: cute.Tensor, acc_dp: cute.Tensor, coords: cute.Tensor,
+                            s_valid: cute.Tensor, first: Int32, s_lse: cute.Tensor,
+                            s_delta: cute.Tensor, scale_log2: Float32,
+                            softmax_scale: Float32) -> None:
+    """In place on the ``(slots, heads)`` score accumulators ``S^T`` / ``dP^T`` of one warpgroup
+    (``coords``: the row/column view of their identity partition): ``P^T = exp2(s * scale * log2e
+    - lse[h] * log2e)``, an invalid slot (``s_valid[first + row] == 0``) ``-inf`` before the
+    ``exp2``; ``dS^T = P^T * (dP^T - delta[h]) * scale``. ``s_lse`` holds ``lse`` in base 2."""
+    acc_s_rc = wg_rows_cols(acc_s)
+    acc_dp_rc = wg_rows_cols(acc_dp)
+    rows_per_thread = cute.size(coords, mode=[0])
+    cols_per_thread = cute.size(coords, mode=[1])
+    lse_c = [s_lse[coords[0, j][1]] for j in range(cols_per_thread)]
+    delta_c = [s_delta[coords[0, j][1]] for j in range(cols_per_thread)]
+    for r in cutlass.range_constexpr(rows_per_thread):
+        row_ok = s_valid[first + coords[r, 0][0]]
+        for j in cutlass.range_constexpr(cols_per_thread):
+            x = acc_s_rc[r, j] * scale_log2 - lse_c[j]
+            if row_ok == 0:
+                x = Float32(-_INF)
+            p = cute.math.exp2(x, fastmath=True)
+            acc_s_rc[r, j] = p
+            acc_dp_rc[r, j] = p * (acc_dp_rc[r, j] - delta_c[j]) * softmax_scale
+
+
 class SparseMlaBwdSlotMajor(SparseMlaBwdMain):
     """The slot-major backward main kernel for one ``(d_qk, heads, layout)``."""
 
@@ -286,8 +312,6 @@ class SparseMlaBwdSlotMajor(SparseMlaBwdMain):
             cute.local_tile(s_kt, (TILE, SLOTS), (dq_tile[i], 0)))) for i in range(n_mine)]
         coords = wg_rows_cols(thr_s.partition_C(cute.make_identity_tensor((WG_SLOTS, heads))))
         kv_coords = wg_rows_cols(thr_kv.partition_C(cute.make_identity_tensor((WG_SLOTS, TILE))))
-        rows_per_thread = cute.size(coords, mode=[0])
-        cols_per_thread = cute.size(coords, mode=[1])
         store_c = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(),
                                                              BFloat16), mma_s)
         thr_store_c = store_c.get_slice(wtid)
@@ -323,21 +347,8 @@ class SparseMlaBwdSlotMajor(SparseMlaBwdMain):
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
-            # P^T = exp2(s * scale * log2e - lse[h] * log2e), invalid slots -inf before the
-            # exp2; dS^T = P^T * (dP^T - delta[h]) * scale. Rows are slots, columns heads.
-            acc_s_rc = wg_rows_cols(acc_s)
-            acc_dp_rc = wg_rows_cols(acc_dp)
-            lse_c = [s_lse[coords[0, j][1]] for j in range(cols_per_thread)]
-            delta_c = [s_delta[coords[0, j][1]] for j in range(cols_per_thread)]
-            for r in cutlass.range_constexpr(rows_per_thread):
-                row_ok = s_valid[mine + coords[r, 0][0]]
-                for j in cutlass.range_constexpr(cols_per_thread):
-                    x = acc_s_rc[r, j] * scale_log2 - lse_c[j]
-                    if row_ok == 0:
-                        x = Float32(-_INF)
-                    p = cute.math.exp2(x, fastmath=True)
-                    acc_s_rc[r, j] = p
-                    acc_dp_rc[r, j] = p * (acc_dp_rc[r, j] - delta_c[j]) * softmax_scale
+            softmax_grad_slot_major(acc_s, acc_dp, coords, s_valid, mine, s_lse, s_delta,
+                                    scale_log2, softmax_scale)
             r_p16.store(acc_s.load().to(BFloat16))
             r_ds16.store(acc_dp.load().to(BFloat16))
             cute.copy(store_c, thr_store_c.retile(r_ds16), t_s_ds_c)  # dS [h, slot] in smem
@@ -431,4 +442,4 @@ def compile_bwd_slot_major(arch: str, d_qk: int, heads: int, layout: str, atomic
 __all__ = ["HEADS", "IMPL", "SparseMlaBwdSlotMajor", "SparseMlaBwdSlotMajorCompact",
            "SparseMlaBwdSlotMajorCompactDeterministic", "SparseMlaBwdSlotMajorNoncompact",
            "SparseMlaBwdSlotMajorNoncompactDeterministic", "can_implement", "check_params",
-           "compile_bwd_slot_major", "slot_major_smem_layouts"]
+           "compile_bwd_slot_major", "slot_major_smem_layouts", "softmax_grad_slot_major"]

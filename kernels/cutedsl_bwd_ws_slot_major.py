@@ -1,0 +1,445 @@
+"""CuTe DSL sparse MLA backward, main stage, slot-major with warpgroups by role
+(``impl="wgmma_ws_slot_major"``, sm_90a, H 16 / 32).
+
+The same arguments, C ABI and semantics as :mod:`dsa_aot.kernels.cutedsl_bwd_main` (see there:
+``q``, ``kv``, ``dout``, ``topk_idxs``, [``topk_length``], ``lse_sink``, ``delta``, ``dq``,
+``dkv_acc``, ``softmax_scale``, stream), for the small head counts :data:`HEADS` only.
+
+Why: :mod:`.cutedsl_bwd_slot_major` runs both warpgroups through the same phases in step, so the
+L2 gets no dKV atomics while a block is gathered, scored and its ``dQ^T`` accumulated (85% busy
+at H 32 D 576, where the atomics alone are the floor). :mod:`.cutedsl_bwd_ws` hides that phase
+at H 64 / 128 by giving the two warpgroups different roles one block apart; this kernel does the
+same in the slot-major orientation (the gathered slots on the MMA M dimension, the heads on N:
+nothing padded):
+
+* warpgroup 0, *score*: gathers the block's 64 KV rows (16-byte ``cp.async``, invalid slots
+  zero-filled and flagged); ``S^T [slots x H] = K Q^T`` and ``dP^T = V dO^T`` (A: the KV tile,
+  B: ``q`` / ``dout``, k-steps interleaved, the first overwriting: wgmma scale-d 0);
+  ``P^T`` and ``dS^T`` (:func:`~dsa_aot.kernels.cutedsl_bwd_slot_major.softmax_grad_slot_major`);
+  stores ``P`` and ``dS`` (bf16, ``[H, slots]`` tiles) for warpgroup 1; then every ``dQ^T``
+  row tile ``+= K^T dS^T`` (A: the KV tile viewed MN-major, B: ``dS``), so the KV tile has no
+  other reader and the next block's gather follows its own ``dQ^T`` MMAs without a hand-off;
+* warpgroup 1, *dKV*: ``dKV = dS^T Q + P^T dO`` in 64-column chunks (A: ``dS^T`` / ``P^T``, the
+  ``P`` / ``dS`` tiles viewed MN-major; B: ``q`` / ``dout`` viewed MN-major; K: the heads), the
+  chunk GEMMs alternating between two accumulators so that chunk ``c``'s MMAs overlap chunk
+  ``c - 1``'s 4-wide ``red.global.add.v4.f32`` atomics
+  (:meth:`~dsa_aot.kernels.cutedsl_bwd_main.SparseMlaBwdMain.scatter_chunk`); it never waits on
+  a gather, so the atomics of block ``b`` stream while block ``b + 1`` is gathered and scored.
+
+Hand-offs (named barriers of all 256 threads; ``->`` arrive, ``<-`` wait), per block ``b``:
+
+- warpgroup 0: gather ``b`` in; ``S^T``, ``dP^T``, softmax gradient; ``<- PDS_EMPTY`` (block
+  ``b - 1``'s ``P`` / ``dS`` read by warpgroup 1's MMAs, and its slot indices read); ``P``, ``dS``
+  to shared; ``-> PDS_FULL``; its ``dQ^T`` MMAs; gather ``b + 1`` (indices into the other half
+  of the double-buffered index arrays);
+- warpgroup 1: ``<- PDS_FULL``; the dKV chunks and their atomics; ``-> PDS_EMPTY`` when the last
+  chunk's MMAs are done; the last chunk's atomics.
+
+Shared memory: ``q`` [H, d], ``dout`` [H, 512], one 64-slot KV tile, ``P`` and ``dS`` [H, 64],
+indices, ``lse`` and ``delta``: 151,552 bytes of tiles at H 32 D 576, one CTA of two warpgroups
+per SM (registers). ``dQ^T`` (``D x H`` fp32) stays in warpgroup 0's registers over the row and
+is stored as bf16 at the end (0 for a row without a valid slot).
+
+Deterministic mode (``deterministic=True``): each valid slot's dKV row is stored (bf16) into
+``dkv_rows`` [s_q * topk, 1, D] instead of added atomically, as in :mod:`.cutedsl_bwd_ws`.
+
+Status: built and checked on the CPU (compile, ``ptxas``); opt-in until the H200 has measured it
+against ``wgmma_slot_major`` (the H16/H32 default).
+
+This module imports ``cutlass``: use it in a build process only.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import hopper_helpers as sm90_utils
+
+from dsa_aot.kernels import cutedsl_bwd_main as main
+from dsa_aot.kernels.cutedsl_bwd_main import (LOG2E, DeterministicCompactEntry,
+                                              DeterministicNoncompactEntry, SparseMlaBwdMain,
+                                              SparseMlaBwdMainCompact,
+                                              SparseMlaBwdMainNoncompact, fake_arguments,
+                                              score_gemms, wg_gemm)
+from dsa_aot.kernels.cutedsl_bwd_slot_major import softmax_grad_slot_major
+from dsa_aot.kernels.cutedsl_common import D_QK_CHOICES, D_V, LAYOUTS, VEC, wg_rows_cols
+
+#: The ``impl`` name of this flavour (the build's ``tile.flavour``).
+IMPL = "wgmma_ws_slot_major"
+#: Head counts this flavour supports (the MMA N of the score and ``dQ^T`` GEMMs).
+HEADS = (16, 32)
+WG_THREADS = 128
+THREADS = 2 * WG_THREADS
+#: Top-k slots per block (the MMA M of the score and dKV GEMMs).
+BLOCK_N = 64
+#: ``dQ^T`` row tile (MMA M) and dKV column chunk (MMA N): one 64-wide 128-byte swizzle atom.
+TILE = 64
+#: Named barriers (0 is __syncthreads): the two hand-offs, and warpgroup 0's own.
+BAR_PDS_FULL, BAR_PDS_EMPTY, BAR_SCORE = 1, 2, 3
+
+assert main.THREADS == THREADS and main.BLOCK_N == BLOCK_N and main.VEC == VEC
+
+_INF = float("inf")
+
+
+def check_params(d_qk: int, heads: int, layout: str, arch: str = "sm_90a") -> None:
+    """Raise ``ValueError`` naming the compile-time parameter this flavour cannot take."""
+    main.check_params(d_qk, heads, layout)
+    if heads not in HEADS:
+        raise ValueError(f"heads={heads!r}: impl={IMPL!r} supports heads {HEADS}; use "
+                         "impl='wgmma_ws' (or leave impl unset) for more heads")
+    if arch != "sm_90a":
+        raise ValueError(f"impl={IMPL!r} needs sm_90a, not {arch}; use impl='mma'")
+
+
+def can_implement(d_qk: int, heads: int, layout: str) -> bool:
+    """Whether this flavour supports the compile-time parameters (no exception)."""
+    return d_qk in D_QK_CHOICES and heads in HEADS and layout in LAYOUTS
+
+
+def ws_slot_major_smem_layouts(d_qk: int, heads: int) -> dict[str, cute.ComposedLayout]:
+    """Shared-memory layouts (call while tracing a ``cute.jit`` function).
+
+    K-major tiles of 128-byte swizzled 8 x 64 atoms, rows first: ``q`` [H, d_qk], ``dout``
+    [H, 512], ``kv`` [64 slots, d_qk] and ``p`` (also ``dS``) [H, 64 slots]. ``q_t``, ``dout_t``,
+    ``kv_t`` and ``p_t`` are MN-major views of the same bytes with the modes swapped (64 x 8
+    atoms), every 64-wide tile of the first mode contiguous.
+    """
+    k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+    mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, BFloat16)
+    return {
+        "q": cute.tile_to_shape(k_atom, (heads, d_qk), (0, 1)),
+        "dout": cute.tile_to_shape(k_atom, (heads, D_V), (0, 1)),
+        "kv": cute.tile_to_shape(k_atom, (BLOCK_N, d_qk), (0, 1)),
+        "p": cute.tile_to_shape(k_atom, (heads, BLOCK_N), (0, 1)),
+        "q_t": cute.tile_to_shape(mn_atom, (d_qk, heads), (1, 0)),
+        "dout_t": cute.tile_to_shape(mn_atom, (D_V, heads), (1, 0)),
+        "kv_t": cute.tile_to_shape(mn_atom, (d_qk, BLOCK_N), (1, 0)),
+        "p_t": cute.tile_to_shape(mn_atom, (BLOCK_N, heads), (1, 0)),
+    }
+
+
+def shared_storage(d_qk: int, heads: int) -> tuple[dict[str, cute.ComposedLayout], type]:
+    """The layouts of :func:`ws_slot_major_smem_layouts` and the kernel's shared-memory struct
+    (call while tracing; ``size_in_bytes()`` is the dynamic shared memory of one CTA)."""
+    lay = ws_slot_major_smem_layouts(d_qk, heads)
+    align, mem = cute.struct.Align, cute.struct.MemRange
+    fields = {f"s_{name}": align[mem[BFloat16, cute.cosize(lay[key].outer)], 1024]
+              for name, key in (("kv", "kv"), ("q", "q"), ("do", "dout"), ("p", "p"),
+                                ("ds", "p"))}
+    fields |= {"s_idx": align[mem[Int32, 2 * BLOCK_N], 16],
+               "s_valid": align[mem[Int32, 2 * BLOCK_N], 16],
+               "s_lse": align[mem[Float32, heads], 16],
+               "s_delta": align[mem[Float32, heads], 16]}
+    # built from a dict: this module's annotations are strings (postponed evaluation)
+    SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+    return lay, SharedStorage
+
+
+class SparseMlaBwdWsSlotMajor(SparseMlaBwdMain):
+    """The slot-major backward main kernel with a score and a dKV warpgroup, for one
+    ``(d_qk, heads, layout)``."""
+
+    def __init__(self, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
+                 scatter: bool = True, deterministic: bool = False) -> None:
+        check_params(d_qk, heads, layout)
+        super().__init__(d_qk, heads, layout, atomic_width=atomic_width, scatter=scatter,
+                         impl="wgmma", deterministic=deterministic)
+        self.impl = IMPL
+        self.gather_threads = WG_THREADS  # warpgroup 0 gathers, 64 rows a block
+
+    # ---------------------------------------------------------------------------------------
+    # Host side
+    # ---------------------------------------------------------------------------------------
+
+    @cute.jit
+    def launch(self, q: cute.Tensor, kv: cute.Tensor, dout: cute.Tensor, topk_idxs: cute.Tensor,
+               topk_length: cute.Tensor, lse_sink: cute.Tensor, delta: cute.Tensor,
+               dq: cute.Tensor, dkv_acc: cute.Tensor, softmax_scale: Float32,
+               stream: cuda.CUstream) -> None:
+        heads = self.heads
+        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                  BFloat16, num_bits_per_copy=128)
+        vecs = TILE // VEC
+        # q (warpgroup 0) and dout (warpgroup 1): 16 rows x 64 columns per pass
+        row_copy = cute.make_tiled_copy_tv(
+            g2s, cute.make_layout((WG_THREADS // vecs, vecs), stride=(vecs, 1)),
+            cute.make_layout((1, VEC)))
+        # S^T / dP^T: (64 slots, H), A = the KV tile (K-major), B = q / dout (K-major)
+        mma_s = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, (1, 1, 1), (BLOCK_N, heads))
+        # dQ^T: (64 rows of D, H), A = the KV tile viewed (D, slots) (MN-major), B = dS (K-major)
+        mma_dq = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.K,
+            Float32, (1, 1, 1), (TILE, heads))
+        # dKV chunk: (64 slots, 64 columns), A = dS^T / P^T (MN-major views of the [H, slots]
+        # tiles), B = q / dout viewed (columns, heads) (MN-major)
+        mma_kv = sm90_utils.make_trivial_tiled_mma(
+            BFloat16, BFloat16, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN,
+            Float32, (1, 1, 1), (BLOCK_N, TILE))
+        s_q_rows = cute.size(q, mode=[0])
+        if s_q_rows > 0:
+            lay, SharedStorage = shared_storage(self.d_qk, heads)
+            self.kernel_ws_slot_major(
+                q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc, softmax_scale,
+                lay["q"], lay["dout"], lay["kv"], lay["p"], lay["q_t"], lay["dout_t"],
+                lay["kv_t"], lay["p_t"], row_copy, mma_s, mma_dq, mma_kv,
+                SharedStorage).launch(grid=[s_q_rows, 1, 1], block=[THREADS, 1, 1],
+                                      smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    # ---------------------------------------------------------------------------------------
+    # Device side
+    # ---------------------------------------------------------------------------------------
+
+    @cute.kernel
+    def kernel_ws_slot_major(self, m_q: cute.Tensor, m_kv: cute.Tensor, m_do: cute.Tensor,
+                             m_idx: cute.Tensor, m_len: cute.Tensor, m_lse: cute.Tensor,
+                             m_delta: cute.Tensor, m_dq: cute.Tensor, m_dkv: cute.Tensor,
+                             softmax_scale: Float32, s_q_layout: cute.ComposedLayout,
+                             s_do_layout: cute.ComposedLayout, s_kv_layout: cute.ComposedLayout,
+                             s_p_layout: cute.ComposedLayout, s_qt_layout: cute.ComposedLayout,
+                             s_dot_layout: cute.ComposedLayout, s_kt_layout: cute.ComposedLayout,
+                             s_pt_layout: cute.ComposedLayout, row_copy: cute.TiledCopy,
+                             mma_s: cute.TiledMma, mma_dq: cute.TiledMma,
+                             mma_kv: cute.TiledMma, SharedStorage: cutlass.Constexpr) -> None:
+        heads = self.heads
+        tidx, _, _ = cute.arch.thread_idx()
+        t, _, _ = cute.arch.block_idx()
+        wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
+        wtid = tidx % WG_THREADS
+        topk = cute.size(m_idx, mode=[1])
+        n_slots = topk
+        if cutlass.const_expr(self.compact):
+            n_slots = cutlass.max(cutlass.min(m_len[t], topk), Int32(0))
+        n_blocks = (n_slots + BLOCK_N - 1) // BLOCK_N
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        s_q = storage.s_q.get_tensor(s_q_layout.outer, swizzle=s_q_layout.inner)
+        s_do = storage.s_do.get_tensor(s_do_layout.outer, swizzle=s_do_layout.inner)
+        s_kv_t = storage.s_kv.get_tensor(s_kv_layout.outer, swizzle=s_kv_layout.inner)
+        s_p = storage.s_p.get_tensor(s_p_layout.outer, swizzle=s_p_layout.inner)
+        s_ds = storage.s_ds.get_tensor(s_p_layout.outer, swizzle=s_p_layout.inner)
+        sm = {
+            "q": s_q, "do": s_do, "kv": s_kv_t, "p": s_p, "ds": s_ds,
+            "qt": cute.make_tensor(s_q.iterator, s_qt_layout.outer),       # (d, h)
+            "dot": cute.make_tensor(s_do.iterator, s_dot_layout.outer),    # (512, h)
+            "kt": cute.make_tensor(s_kv_t.iterator, s_kt_layout.outer),    # (d, slot)
+            "pt": cute.make_tensor(s_p.iterator, s_pt_layout.outer),       # (slot, h)
+            "dst": cute.make_tensor(s_ds.iterator, s_pt_layout.outer),     # (slot, h)
+            "idx": storage.s_idx.get_tensor(cute.make_layout(2 * BLOCK_N)),
+            "valid": storage.s_valid.get_tensor(cute.make_layout(2 * BLOCK_N)),
+            "lse": storage.s_lse.get_tensor(cute.make_layout(heads)),
+            "delta": storage.s_delta.get_tensor(cute.make_layout(heads)),
+        }
+
+        # ---- q (warpgroup 0), dout (warpgroup 1) -> shared; lse, delta; block 0's gather ----
+        thr_row = row_copy.get_slice(wtid)
+        if wg == 0:
+            cute.copy(row_copy, thr_row.partition_S(m_q[t, None, None]), thr_row.partition_D(s_q))
+        else:
+            cute.copy(row_copy, thr_row.partition_S(m_do[t, None, None]),
+                      thr_row.partition_D(s_do))
+        if tidx < heads:
+            sm["lse"][tidx] = m_lse[t, tidx] * Float32(LOG2E)
+            sm["delta"][tidx] = m_delta[t, tidx]
+        cute.arch.cp_async_commit_group()
+        gather_args = self.kv_gather_args(m_kv, s_kv_t, sm["idx"], sm["valid"],
+                                          wtid // (TILE // VEC), wtid)
+        if wg == 0:
+            self.gather_first(n_blocks, t, m_idx, n_slots, gather_args)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_view_async_shared()  # cp.async / zero-fill writes -> wgmma reads
+        cute.arch.barrier()
+
+        if wg == 0:
+            self.score_warpgroup(t, n_blocks, n_slots, m_idx, m_dq, softmax_scale, sm,
+                                 gather_args, mma_s, mma_dq, wtid)
+        else:
+            self.dkv_warpgroup(t, n_blocks, topk, m_dkv, sm, mma_kv, wtid)
+
+    @cute.jit
+    def score_warpgroup(self, t: Int32, n_blocks: Int32, n_slots: Int32, m_idx: cute.Tensor,
+                        m_dq: cute.Tensor, softmax_scale: Float32, sm: dict, gather_args: list,
+                        mma_s: cute.TiledMma, mma_dq: cute.TiledMma, wtid: Int32) -> None:
+        """Warpgroup 0 over the row's blocks: the gathers, ``S^T``, ``dP^T``, ``P``, ``dS`` and
+        every ``dQ^T`` tile; stores ``dq`` at the end."""
+        d = self.d_qk
+        heads = self.heads
+        n_tiles = d // TILE
+        scale_log2 = softmax_scale * Float32(LOG2E)
+        mma_dq.set(warpgroup.Field.ACCUMULATE, True)
+        wg_s = mma_s.get_slice(0)
+        wg_dq = mma_dq.get_slice(0)
+        r_k = mma_s.make_fragment_A(wg_s.partition_A(sm["kv"]))      # (MMA, 1, d/16)
+        r_q = mma_s.make_fragment_B(wg_s.partition_B(sm["q"]))       # (MMA, 1, d/16)
+        r_do = mma_s.make_fragment_B(wg_s.partition_B(sm["do"]))     # (MMA, 1, 32)
+        r_dsb = mma_dq.make_fragment_B(wg_dq.partition_B(sm["ds"]))  # (MMA, 1, 4)
+        r_kt = [mma_dq.make_fragment_A(wg_dq.partition_A(                # (MMA, 1, 4) each
+            cute.local_tile(sm["kt"], (TILE, BLOCK_N), (i, 0)))) for i in range(n_tiles)]
+        thr_s = mma_s.get_slice(wtid)
+        thr_dq = mma_dq.get_slice(wtid)
+        acc_shape = thr_s.partition_shape_C((BLOCK_N, heads))
+        acc_dq = [cute.make_rmem_tensor(thr_dq.partition_shape_C((TILE, heads)), Float32)
+                  for _ in range(n_tiles)]
+        for i in cutlass.range_constexpr(n_tiles):
+            acc_dq[i].fill(0.0)
+        coords = wg_rows_cols(thr_s.partition_C(cute.make_identity_tensor((BLOCK_N, heads))))
+        store_c = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(),
+                                                             BFloat16), mma_s)
+        thr_store_c = store_c.get_slice(wtid)
+        t_s_p_c = thr_store_c.partition_D(sm["pt"])    # P^T / dS^T stored through the
+        t_s_ds_c = thr_store_c.partition_D(sm["dst"])  # (slot, h) views of the [h, slot] tiles
+        row_in_pass = wtid // (TILE // VEC)
+
+        for b in cutlass.range(n_blocks, unroll=1):
+            buf = (b % 2) * BLOCK_N
+            upcoming = self.load_indices(b + 1, t, m_idx, n_slots, row_in_pass)
+            if b > 0:  # this warpgroup's gather of block b is in; make it visible to all of it
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=BAR_SCORE, number_of_threads=WG_THREADS)
+
+            # S^T = K Q^T and dP^T = V dO^T, interleaved k-steps; k = 0 overwrites
+            acc_s, acc_dp = score_gemms(mma_s, acc_shape, r_q, r_do, r_k, d, kv_is_a=True)
+            softmax_grad_slot_major(acc_s, acc_dp, coords, sm["valid"], buf, sm["lse"],
+                                    sm["delta"], scale_log2, softmax_scale)
+            r_p16 = cute.make_fragment_like(acc_s, BFloat16)
+            r_p16.store(acc_s.load().to(BFloat16))
+            r_ds16 = cute.make_fragment_like(acc_dp, BFloat16)
+            r_ds16.store(acc_dp.load().to(BFloat16))
+
+            # hand P and dS over once warpgroup 1's MMAs of the previous block are done (it has
+            # read that block's indices too: the next gather may overwrite them)
+            if b > 0:
+                cute.arch.barrier(barrier_id=BAR_PDS_EMPTY, number_of_threads=THREADS)
+            cute.copy(store_c, thr_store_c.retile(r_p16), t_s_p_c)
+            cute.copy(store_c, thr_store_c.retile(r_ds16), t_s_ds_c)
+            cute.arch.fence_view_async_shared()  # P / dS stores -> wgmma reads (both warpgroups)
+            cute.arch.barrier_arrive(barrier_id=BAR_PDS_FULL, number_of_threads=THREADS)
+            cute.arch.barrier(barrier_id=BAR_SCORE, number_of_threads=WG_THREADS)
+
+            # dQ^T += K^T dS^T, every row tile of D; the KV tile's last read of this block
+            warpgroup.fence()
+            for i in cutlass.range_constexpr(n_tiles):
+                for k in cutlass.range_constexpr(BLOCK_N // 16):
+                    cute.gemm(mma_dq, acc_dq[i], r_kt[i][None, None, k], r_dsb[None, None, k],
+                              acc_dq[i])
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+            # the next block into the KV tile (every warp of this warpgroup is past its dQ^T
+            # MMAs: a warp's wait covers its own wgmmas only)
+            if b + 1 < n_blocks:
+                cute.arch.barrier(barrier_id=BAR_SCORE, number_of_threads=WG_THREADS)
+                self.gather(upcoming, BLOCK_N - buf, *gather_args)
+                cute.arch.cp_async_commit_group()
+
+        # ---- dq[t, h, d] = dQ^T[d, h] in bf16 -------------------------------------------------
+        c_dq = thr_dq.partition_C(cute.make_identity_tensor((TILE, heads)))
+        g_dq = m_dq[t, None, None]  # (h, d)
+        for i in cutlass.range_constexpr(n_tiles):
+            r_o = cute.make_fragment_like(acc_dq[i], BFloat16)
+            r_o.store(acc_dq[i].load().to(BFloat16))
+            for e in cutlass.range_constexpr(cute.size(r_o)):
+                g_dq[c_dq[e][1], i * TILE + c_dq[e][0]] = r_o[e]
+
+    @cute.jit
+    def dkv_warpgroup(self, t: Int32, n_blocks: Int32, topk: Int32, m_dkv: cute.Tensor,
+                      sm: dict, mma_kv: cute.TiledMma, wtid: Int32) -> None:
+        """Warpgroup 1 over the row's blocks: the dKV chunks and their atomics (the
+        deterministic mode: their stored rows)."""
+        heads = self.heads
+        n_chunks = self.d_qk // TILE
+        n_v_chunks = D_V // TILE
+        lane = cute.arch.lane_idx()
+        wg_kv = mma_kv.get_slice(0)
+        r_dst = mma_kv.make_fragment_A(wg_kv.partition_A(sm["dst"]))  # (MMA, 1, H/16)
+        r_pt = mma_kv.make_fragment_A(wg_kv.partition_A(sm["pt"]))    # (MMA, 1, H/16)
+        r_qt = [mma_kv.make_fragment_B(wg_kv.partition_B(
+            cute.local_tile(sm["qt"], (TILE, heads), (c, 0)))) for c in range(n_chunks)]
+        r_dot = [mma_kv.make_fragment_B(wg_kv.partition_B(
+            cute.local_tile(sm["dot"], (TILE, heads), (c, 0)))) for c in range(n_v_chunks)]
+        thr_kv = mma_kv.get_slice(wtid)
+        kv_shape = thr_kv.partition_shape_C((BLOCK_N, TILE))
+        kv_coords = wg_rows_cols(thr_kv.partition_C(cute.make_identity_tensor((BLOCK_N, TILE))))
+        k_steps = heads // 16
+
+        for b in cutlass.range(n_blocks, unroll=1):
+            buf = (b % 2) * BLOCK_N
+            cute.arch.barrier(barrier_id=BAR_PDS_FULL, number_of_threads=THREADS)
+            slots = self.dkv_slots(buf, kv_coords, lane)
+            row_ok = [sm["valid"][s] for s in slots]
+            row_ptr = self.dkv_row_ptrs(m_dkv, sm["idx"], slots, buf, b * BLOCK_N, t, Int32(0),
+                                        topk)
+            acc_kv = [cute.make_rmem_tensor(kv_shape, Float32) for _ in range(2)]
+            for c in cutlass.range_constexpr(n_chunks):
+                steps = [(r_dst[None, None, k], r_qt[c][None, None, k]) for k in range(k_steps)]
+                if cutlass.const_expr(c < n_v_chunks):
+                    steps += [(r_pt[None, None, k], r_dot[c][None, None, k])
+                              for k in range(k_steps)]
+                warpgroup.fence()
+                wg_gemm(mma_kv, acc_kv[c % 2], steps, False)  # the first step overwrites
+                warpgroup.commit_group()
+                if cutlass.const_expr(c > 0):
+                    warpgroup.wait_group(1)  # chunk c - 1 is done
+                    self.scatter_chunk(wg_rows_cols(acc_kv[(c - 1) % 2]), kv_coords, row_ok,
+                                       row_ptr, (c - 1) * TILE, lane)
+            warpgroup.wait_group(0)
+            if b + 1 < n_blocks:  # P / dS read for the last time: the next block's may land
+                cute.arch.barrier_arrive(barrier_id=BAR_PDS_EMPTY, number_of_threads=THREADS)
+            self.scatter_chunk(wg_rows_cols(acc_kv[(n_chunks - 1) % 2]), kv_coords, row_ok,
+                               row_ptr, (n_chunks - 1) * TILE, lane)
+
+
+class SparseMlaBwdWsSlotMajorCompact(SparseMlaBwdWsSlotMajor, SparseMlaBwdMainCompact):
+    """Entry point of the compact layout (``topk_length`` given)."""
+
+
+class SparseMlaBwdWsSlotMajorNoncompact(SparseMlaBwdWsSlotMajor, SparseMlaBwdMainNoncompact):
+    """Entry point of the noncompact layout (padding marked by out-of-range indices)."""
+
+
+class SparseMlaBwdWsSlotMajorCompactDeterministic(DeterministicCompactEntry,
+                                                  SparseMlaBwdWsSlotMajor):
+    """Entry point of the deterministic mode, compact layout."""
+
+
+class SparseMlaBwdWsSlotMajorNoncompactDeterministic(DeterministicNoncompactEntry,
+                                                     SparseMlaBwdWsSlotMajor):
+    """Entry point of the deterministic mode, noncompact layout."""
+
+
+def compile_bwd_ws_slot_major(arch: str, d_qk: int, heads: int, layout: str,
+                              atomic_width: int = 4, scatter: bool = True, impl: str = IMPL,
+                              extra_options: str = "",
+                              deterministic: bool = False) -> tuple[object, dict[str, object]]:
+    """``cute.compile`` this kernel for ``arch`` (sm_90a; ``CUTE_DSL_ARCH`` set before import).
+    Returns the compiled function and the fake arguments (those of
+    :func:`~dsa_aot.kernels.cutedsl_bwd_main.fake_arguments`) it was compiled with. ``impl`` is
+    the build's flavour name, which must be this module's."""
+    if impl != IMPL:
+        raise ValueError(f"impl={impl!r}: this module builds impl={IMPL!r}; "
+                         "compile_bwd_main builds the others")
+    check_params(d_qk, heads, layout, arch)
+    fakes = fake_arguments(d_qk, heads, layout, deterministic)
+    cls = {(False, "compact"): SparseMlaBwdWsSlotMajorCompact,
+           (False, "noncompact"): SparseMlaBwdWsSlotMajorNoncompact,
+           (True, "compact"): SparseMlaBwdWsSlotMajorCompactDeterministic,
+           (True, "noncompact"): SparseMlaBwdWsSlotMajorNoncompactDeterministic}[deterministic,
+                                                                                  layout]
+    kernel = cls(d_qk, heads, layout, atomic_width=atomic_width, scatter=scatter,
+                 deterministic=deterministic)
+    compiled = cute.compile(kernel, *fakes.values(),
+                            options=f"--gpu-arch {arch} {extra_options}".strip())
+    return compiled, fakes
+
+
+__all__ = ["HEADS", "IMPL", "SparseMlaBwdWsSlotMajor", "SparseMlaBwdWsSlotMajorCompact",
+           "SparseMlaBwdWsSlotMajorCompactDeterministic", "SparseMlaBwdWsSlotMajorNoncompact",
+           "SparseMlaBwdWsSlotMajorNoncompactDeterministic", "can_implement", "check_params",
+           "compile_bwd_ws_slot_major", "ws_slot_major_smem_layouts"]
