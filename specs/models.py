@@ -33,7 +33,7 @@ class TileConfig(BaseModel):
     threads: int | None = Field(None, ge=128, le=512, multiple_of=128, description="threads per CTA")
     flavour: str | None = Field(None, pattern=r"^[a-z][a-z0-9_]{0,31}$",
                                 description="the backend's MMA flavour of the main stage, e.g. cutedsl "
-                                "'wgmma_ws' (forward) or 'wgmma' (backward main)")
+                                "'wgmma_ws' (forward) or 'wgmma_ws_slot_major' (backward main)")
 
 
 class KernelSpec(BaseModel):

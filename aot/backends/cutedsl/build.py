@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from dsa_aot import settings
 from dsa_aot.backends.cutedsl.records import (
-    BWD_MAIN_HEADS, DETERMINISTIC_BWD_MAIN_IMPLS, bwd_main_default_impl, DSL_RUNTIME_LIB, FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES, RECORD_FILE, WORKER_MODULE, _DSL_STATIC_SHIMS,
+    BWD_MAIN_HEADS, BWD_MAIN_IMPLS, DETERMINISTIC_BWD_MAIN_IMPLS, bwd_main_default_impl, DSL_RUNTIME_LIB, FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES, RECORD_FILE, WORKER_MODULE, _DSL_STATIC_SHIMS,
     Arch, BwdMainImpl, CuteBuildError, CuteExportRecord, CuteKernel, CuteSymbols, FwdImpl, FwdLayout, LinkMode,
     RuntimeLibRecord, ScalarArgRecord, StreamArgRecord, TensorArgRecord, kernel_entry, sha256_file)
 from dsa_aot.toolkit import toolkit_root
@@ -94,8 +94,8 @@ class BuildRequest(BaseModel):
                                  f"d_qk={self.d_qk}, heads={self.heads}, layout={self.layout}")
             if self.use_isfinite is not None:
                 raise ValueError("use_isfinite applies to bwd_preprocess only")
-            if self.impl == "wgmma_slot_major":
-                raise ValueError("impl=wgmma_slot_major is a bwd_main flavour, not a fwd one")
+            if self.impl in ("wgmma_slot_major", "wgmma_ws_slot_major"):
+                raise ValueError(f"impl={self.impl} is a bwd_main flavour, not a fwd one")
             if self.impl in ("wgmma", "wgmma_pipe", "wgmma_ws", "wgmma_split") and self.arch != "sm_90a":
                 raise ValueError(f"impl={self.impl} needs sm_90a, not {self.arch}; use impl=mma")
             if self.impl in ("wgmma_pipe", "wgmma_ws", "wgmma_split") and self.kv_stages == 1:
@@ -106,13 +106,14 @@ class BuildRequest(BaseModel):
                                  f"d_qk={self.d_qk}, heads={self.heads}, layout={self.layout}")
             if (self.use_isfinite, self.kv_stages) != (None, None):
                 raise ValueError("use_isfinite/kv_stages do not apply to kernel=bwd_main")
-            if self.impl not in (None, "mma", "wgmma", "wgmma_slot_major", "wgmma_ws"):
-                raise ValueError(f"kernel=bwd_main has impl mma, wgmma, wgmma_slot_major or "
-                                 f"wgmma_ws, not {self.impl}")
-            if self.impl in ("wgmma", "wgmma_slot_major", "wgmma_ws") and self.arch != "sm_90a":
+            if self.impl not in (None, *BWD_MAIN_IMPLS):
+                raise ValueError(f"kernel=bwd_main has impl {', '.join(BWD_MAIN_IMPLS)}, "
+                                 f"not {self.impl}")
+            if self.impl not in (None, "mma") and self.arch != "sm_90a":
                 raise ValueError(f"impl={self.impl} needs sm_90a, not {self.arch}; use impl=mma")
             if self.impl in BWD_MAIN_HEADS and self.heads not in BWD_MAIN_HEADS[self.impl]:
-                other = "wgmma_slot_major" if self.impl == "wgmma_ws" else "wgmma"
+                other = {"wgmma_ws": "wgmma_slot_major",
+                         "wgmma_ws_slot_major": "wgmma_ws"}.get(self.impl, "wgmma")
                 raise ValueError(f"impl={self.impl} supports heads {BWD_MAIN_HEADS[self.impl]}, "
                                  f"not heads={self.heads}; use impl={other} (or leave impl unset)")
         elif fwd != (None, None, None) or self.kv_stages is not None or self.impl is not None:
@@ -147,8 +148,7 @@ class BuildRequest(BaseModel):
 
 #: MMA flavours a spec's ``tile.flavour`` may name, per stage that has them.
 FLAVOURS: dict[str, tuple[str, ...]] = {"fwd": ("mma", "wgmma", "wgmma_pipe", "wgmma_ws", "wgmma_split"),
-                                        "bwd_main": ("mma", "wgmma", "wgmma_slot_major",
-                                                     "wgmma_ws")}
+                                        "bwd_main": BWD_MAIN_IMPLS}
 
 
 def requests_for(spec: "KernelSpec", stages: tuple[str, ...], *, link: LinkMode = "static_cudart",

@@ -12,15 +12,20 @@ FwdLayout = Literal["compact", "noncompact"]
 FwdImpl = Literal["mma", "wgmma", "wgmma_pipe", "wgmma_ws", "wgmma_split"]
 #: The backward main stage's MMA flavours: mma.sync (any arch), wgmma (sm_90a), the
 #: slot-major wgmma kernel for few heads (sm_90a, heads in :data:`BWD_SLOT_MAJOR_HEADS`) and the
-#: wgmma kernel with a score and a dKV warpgroup (sm_90a, heads in :data:`BWD_WS_HEADS`).
-BwdMainImpl = Literal["mma", "wgmma", "wgmma_slot_major", "wgmma_ws"]
+#: wgmma kernel with a score and a dKV warpgroup (sm_90a, heads in :data:`BWD_WS_HEADS`), and the
+#: slot-major kernel with the same two roles (sm_90a, heads in :data:`BWD_SLOT_MAJOR_HEADS`).
+BwdMainImpl = Literal["mma", "wgmma", "wgmma_slot_major", "wgmma_ws", "wgmma_ws_slot_major"]
+#: Every backward main flavour (the order of :data:`BwdMainImpl`).
+BWD_MAIN_IMPLS: tuple[str, ...] = ("mma", "wgmma", "wgmma_slot_major", "wgmma_ws",
+                                   "wgmma_ws_slot_major")
 #: Head counts of ``impl=wgmma_slot_major`` (``dsa_aot.kernels.cutedsl_bwd_slot_major.HEADS``).
 BWD_SLOT_MAJOR_HEADS: tuple[int, ...] = (16, 32)
 #: Head counts of ``impl=wgmma_ws`` (``dsa_aot.kernels.cutedsl_bwd_ws.HEADS``).
 BWD_WS_HEADS: tuple[int, ...] = (64, 128)
 #: Flavours of the backward main stage that take only some head counts.
 BWD_MAIN_HEADS: dict[str, tuple[int, ...]] = {"wgmma_slot_major": BWD_SLOT_MAJOR_HEADS,
-                                              "wgmma_ws": BWD_WS_HEADS}
+                                              "wgmma_ws": BWD_WS_HEADS,
+                                              "wgmma_ws_slot_major": BWD_SLOT_MAJOR_HEADS}
 #: Kernel module and compile function of each stage (``f(arch, **params)`` returns ``(compiled,
 #: fake_arguments)``); :data:`FLAVOUR_KERNELS` overrides it for a flavour with a module of its own.
 #: A spec's key and runtime identity cover exactly the module its build imports (and what that
@@ -41,6 +46,8 @@ FLAVOUR_KERNELS: dict[tuple[str, str], tuple[str, str]] = {
     ("bwd_main", "wgmma_slot_major"): ("dsa_aot.kernels.cutedsl_bwd_slot_major",
                                        "compile_bwd_slot_major"),
     ("bwd_main", "wgmma_ws"): ("dsa_aot.kernels.cutedsl_bwd_ws", "compile_bwd_ws"),
+    ("bwd_main", "wgmma_ws_slot_major"): ("dsa_aot.kernels.cutedsl_bwd_ws_slot_major",
+                                          "compile_bwd_ws_slot_major"),
 }
 #: The forward's MMA flavour per arch when a request names none (wgmma needs sm_90a).
 FWD_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma_split", "sm_100a": "mma"}
@@ -56,7 +63,8 @@ BWD_MAIN_DEFAULT_IMPL_BY_HEADS: dict[tuple[str, int], str] = {
 
 
 #: The backward main flavours with a deterministic mode (stored per-slot dkv rows), sm_90a only.
-DETERMINISTIC_BWD_MAIN_IMPLS: tuple[str, ...] = ("wgmma_ws", "wgmma_slot_major")
+DETERMINISTIC_BWD_MAIN_IMPLS: tuple[str, ...] = ("wgmma_ws", "wgmma_slot_major",
+                                                 "wgmma_ws_slot_major")
 
 
 def bwd_main_default_impl(arch: str, heads: int | None, deterministic: bool = False) -> str:

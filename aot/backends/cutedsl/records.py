@@ -12,7 +12,8 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsa_aot.backends.cutedsl.flavours import (  # noqa: F401  (re-exported)
-    BWD_MAIN_DEFAULT_IMPL, BWD_MAIN_DEFAULT_IMPL_BY_HEADS, BWD_MAIN_HEADS, BWD_SLOT_MAJOR_HEADS,
+    BWD_MAIN_DEFAULT_IMPL, BWD_MAIN_DEFAULT_IMPL_BY_HEADS, BWD_MAIN_HEADS, BWD_MAIN_IMPLS,
+    BWD_SLOT_MAJOR_HEADS,
     BWD_WS_HEADS, DETERMINISTIC_BWD_MAIN_IMPLS, FLAVOUR_KERNELS,
     FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES, KERNELS, Arch, BwdMainImpl, CuteKernel, FwdImpl, FwdLayout,
     bwd_main_default_impl, kernel_entry, stage_impl)
@@ -137,7 +138,8 @@ class CuteExportRecord(BaseModel):
     kv_stages: int | None = Field(None, description="fwd: gathered KV tiles in flight (1 or 2)")
     impl: FwdImpl | BwdMainImpl | None = Field(
         None, description="fwd: mma.sync (any arch), wgmma, wgmma_pipe, wgmma_ws or wgmma_split "
-        "(sm_90a); bwd_main: mma, wgmma, wgmma_slot_major or wgmma_ws (sm_90a)")
+        "(sm_90a); bwd_main: mma, wgmma, wgmma_slot_major, wgmma_ws or wgmma_ws_slot_major "
+        "(sm_90a)")
     deterministic: bool = Field(False, description="backward: the deterministic variant (the "
                                 "main kernel stores per-slot dKV rows, dkv_rows, that the "
                                 "postprocess sums in the order of row_order / row_offsets; "

@@ -141,8 +141,8 @@ def test_requests_are_validated() -> None:
     with pytest.raises(ValueError, match="impl=wgmma needs sm_90a"):
         BuildRequest(kernel="bwd_main", arch="sm_100a", d_qk=576, heads=64, layout="compact",
                      impl="wgmma")
-    with pytest.raises(ValueError, match="bwd_main has impl mma, wgmma, wgmma_slot_major or "
-                                         "wgmma_ws, not wgmma_split"):
+    with pytest.raises(ValueError, match="bwd_main has impl mma, wgmma, wgmma_slot_major, "
+                                         "wgmma_ws, wgmma_ws_slot_major, not wgmma_split"):
         BuildRequest(kernel="bwd_main", arch="sm_90a", d_qk=576, heads=64, layout="compact",
                      impl="wgmma_split")
     with pytest.raises(ValueError, match="do not apply to kernel=bwd_main"):
@@ -237,10 +237,11 @@ def test_full_sweep_builds(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 #: MMA flavours checked on the GPU (the specs' ``tile.flavour``); wgmma needs sm_90a.
-IMPLS = ("mma", "wgmma", "wgmma_slot_major", "wgmma_ws")
+IMPLS = ("mma", "wgmma", "wgmma_slot_major", "wgmma_ws", "wgmma_ws_slot_major")
 #: Head counts of the flavours that take only some (the others take every H).
 SLOT_MAJOR_HEADS = (16, 32)
-FLAVOUR_HEADS = {"wgmma_slot_major": SLOT_MAJOR_HEADS, "wgmma_ws": (64, 128)}
+FLAVOUR_HEADS = {"wgmma_slot_major": SLOT_MAJOR_HEADS, "wgmma_ws": (64, 128),
+                 "wgmma_ws_slot_major": SLOT_MAJOR_HEADS}
 #: ``DSA_AOT_GPU_TEST_IMPLS=wgmma_ws,...`` builds (and tests) only those flavours: each build
 #: costs GPU-machine time, and ``-k`` cannot narrow a module fixture.
 _GPU_IMPLS = tuple(i for i in os.environ.get("DSA_AOT_GPU_TEST_IMPLS", ",".join(IMPLS)).split(",")

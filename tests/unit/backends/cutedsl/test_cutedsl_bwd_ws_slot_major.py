@@ -1,0 +1,267 @@
+"""The slot-major CuTe DSL backward with a score and a dKV warpgroup (``impl=wgmma_ws_slot_major``,
+sm_90a, H 16 / 32) on CPU.
+
+A ``tile.flavour = "wgmma_ws_slot_major"`` bwd spec becomes the main stage's impl, names its
+artifact apart from the default (``wgmma_slot_major`` at H16 / H32) and keys its build on the
+flavour's module; a deterministic spec may name it too. Requests, specs, catalogs and the kernel
+module refuse other archs and other head counts by name, and ``compile_bwd_main`` refuses to build
+the flavour. The shared-memory views the kernel reads as MN-major operands alias its K-major
+tiles byte for byte, and one CTA's shared memory fits the 227 KiB of an sm_90a CTA. Four fast and
+two deterministic variants (both D, both H, both layouts) compile, export and link for sm_90a
+through :func:`dsa_aot.backends.cutedsl.build.build_cutedsl`: their records and C ABI equal the
+default flavour's (same arguments, same descriptors), a fresh process opens them without
+``cutlass``, and the embedded cubins spill nothing (no local memory) within 255 registers.
+Numerics: ``tests/unit/backends/cutedsl/test_cutedsl_bwd_main_kernel.py -m gpu``
+(``DSA_AOT_GPU_TEST_IMPLS=wgmma_ws_slot_major``), not here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import cubin_resources, embedded_cubin, run_dsl_script
+from dsa_aot.backends import get as get_backend
+from dsa_aot.backends.cutedsl.build import BuildRequest, build_cutedsl, requests_for
+from dsa_aot.backends.cutedsl.records import (BWD_SLOT_MAJOR_HEADS, CuteExportRecord,
+                                              bwd_main_default_impl)
+from dsa_aot.specs.catalog import Catalog
+from dsa_aot.specs.models import KernelSpec, TileConfig
+from dsa_aot.specs.sources import module_sources
+
+IMPL = "wgmma_ws_slot_major"
+MODULE = "dsa_aot.kernels.cutedsl_bwd_ws_slot_major"
+BWD_STAGES = ("bwd_preprocess", "bwd_main", "bwd_postprocess")
+
+try:
+    _HAS_DSL = importlib.util.find_spec("cutlass") is not None
+except (ImportError, ValueError):  # pragma: no cover
+    _HAS_DSL = False
+_needs_dsl = pytest.mark.skipif(not _HAS_DSL, reason="needs nvidia-cutlass-dsl to compile")
+
+#: (d_qk, heads, layout, deterministic) of the variants built: every D, H and layout once, and
+#: the deterministic mode at the largest and the smallest register footprint
+VARIANTS = [(576, 32, "compact", False), (512, 16, "noncompact", False),
+            (576, 16, "noncompact", False), (512, 32, "compact", False),
+            (576, 32, "noncompact", True), (512, 16, "compact", True)]
+#: the default-flavour builds whose records the new ones must equal
+TWINS = [(576, 32, "compact", False), (576, 32, "noncompact", True)]
+SMEM_LIMIT = 227 * 1024
+MAX_REGS = 255
+
+
+def _spec(heads: int = 32, arch: str = "sm_90a", flavour: str | None = IMPL, d_qk: int = 576,
+          layout: str = "compact", op: str = "bwd", **extra: object) -> KernelSpec:
+    return KernelSpec(op=op, arch=arch, d_qk=d_qk, heads=heads, layout=layout,
+                      backend="cutedsl", tile=TileConfig(flavour=flavour), **extra)
+
+
+def _request(d_qk: int, heads: int, layout: str, deterministic: bool,
+             flavour: str = IMPL) -> BuildRequest:
+    (request,) = requests_for(_spec(heads, flavour=flavour, d_qk=d_qk, layout=layout,
+                                    deterministic=deterministic), ("bwd_main",),
+                              link="static_cudart")
+    return request
+
+
+# --------------------------------------------------------------------------------------------
+# Requests and specs (no compiler needed)
+# --------------------------------------------------------------------------------------------
+
+def test_flavour_becomes_the_main_stage_impl_and_names_the_artifact() -> None:
+    pre, main, post = requests_for(_spec(32), BWD_STAGES)
+    assert (main.impl, main.compile_params) == (IMPL, {"d_qk": 576, "heads": 32,
+                                                       "layout": "compact", "impl": IMPL})
+    assert (pre.impl, post.impl) == (None, None)
+    det = _request(512, 16, "noncompact", True)
+    assert det.impl == IMPL and det.compile_params["deterministic"] is True
+    get_backend("cutedsl").check_spec(_spec(16))
+    get_backend("cutedsl").check_spec(_spec(32, deterministic=True))
+
+
+def test_the_build_is_keyed_on_the_flavours_module() -> None:
+    backend = get_backend("cutedsl")
+    assert backend.kernel_sources(_spec(32)) == (
+        "dsa_aot.kernels.cutedsl_bwd_preprocess", MODULE, "dsa_aot.kernels.cutedsl_bwd_postprocess")
+    sources = module_sources(backend.source_modules(_spec(32)))
+    # the module and what it builds on: a change in either changes this flavour's key
+    assert {"dsa_aot/kernels/cutedsl_bwd_ws_slot_major.py",
+            "dsa_aot/kernels/cutedsl_bwd_slot_major.py",
+            "dsa_aot/kernels/cutedsl_bwd_main.py"} <= set(sources)
+    assert "dsa_aot/kernels/cutedsl_bwd_ws_slot_major.py" not in module_sources(
+        backend.source_modules(_spec(32, flavour=None)))
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    ({"arch": "sm_100a"}, f"impl={IMPL} needs sm_90a, not sm_100a"),
+    ({"heads": 64}, rf"impl={IMPL} supports heads \(16, 32\), not heads=64; use impl=wgmma_ws"),
+    ({"heads": 128}, r"supports heads \(16, 32\), not heads=128"),
+])
+def test_what_the_flavour_cannot_build_is_refused(kwargs: dict, fragment: str) -> None:
+    spec = _spec(**kwargs)
+    with pytest.raises(ValueError, match=f"tile.flavour='{IMPL}' cannot be honoured.*{fragment}"):
+        requests_for(spec, BWD_STAGES)
+    with pytest.raises(ValueError, match=fragment):
+        get_backend("cutedsl").check_spec(spec)
+    request = dict(kernel="bwd_main", arch=kwargs.get("arch", "sm_90a"), d_qk=576,
+                   heads=kwargs.get("heads", 16), layout="compact", impl=IMPL)
+    with pytest.raises(ValueError, match=fragment):
+        BuildRequest(**request)
+
+
+def test_not_a_forward_flavour() -> None:
+    with pytest.raises(ValueError, match=f"{IMPL} is a bwd_main flavour"):
+        BuildRequest(kernel="fwd", arch="sm_90a", d_qk=576, heads=16, layout="compact", impl=IMPL)
+    with pytest.raises(ValueError, match=f"tile.flavour='{IMPL}' is not a cutedsl fwd flavour"):
+        requests_for(KernelSpec(op="fwd", arch="sm_90a", d_qk=576, heads=16, layout="compact",
+                                backend="cutedsl", tile=TileConfig(flavour=IMPL)), ("fwd",))
+
+
+def test_catalog_expands_a_block_of_the_flavour() -> None:
+    block = {"ops": ["bwd"], "archs": ["sm_90a"], "d_qk": [512, 576], "heads": [16, 32],
+             "layouts": ["compact"], "backends": ["cutedsl"], "tile": {"flavour": IMPL}}
+    specs = Catalog.model_validate({"matrix": [block]}).specs()
+    assert sorted((s.d_qk, s.heads, s.tile.flavour) for s in specs) == [
+        (d, h, IMPL) for d in (512, 576) for h in (16, 32)]
+    with pytest.raises(ValueError, match="not heads=64"):
+        Catalog.model_validate({"matrix": [{**block, "heads": [64]}]}).specs()
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel module (compiler needed)
+# --------------------------------------------------------------------------------------------
+
+_KERNEL_CHECKS = """
+from dsa_aot.backends.cutedsl.records import BWD_MAIN_HEADS
+from dsa_aot.kernels import cutedsl_bwd_ws_slot_major as k
+from dsa_aot.kernels.cutedsl_bwd_main import compile_bwd_main
+assert k.HEADS == BWD_MAIN_HEADS[k.IMPL], (k.HEADS, BWD_MAIN_HEADS)
+try:
+    compile_bwd_main('sm_90a', 576, 16, 'compact', impl=k.IMPL)
+except ValueError as e:
+    print('refused', e)
+else:
+    raise SystemExit('compile_bwd_main built the flavour')
+assert k.can_implement(576, 16, 'compact') and k.can_implement(512, 32, 'noncompact')
+assert not k.can_implement(576, 64, 'compact') and not k.can_implement(448, 16, 'compact')
+for args, kw in [(('sm_100a', 576, 16, 'compact'), {}), (('sm_90a', 576, 64, 'compact'), {}),
+                 (('sm_90a', 576, 32, 'compact'), {'impl': 'wgmma_slot_major'}),
+                 (('sm_90a', 576, 16, 'compact'), {'deterministic': True, 'atomic_width': 2})]:
+    try:
+        k.compile_bwd_ws_slot_major(*args, **kw)
+    except ValueError as e:
+        print('refused', e)
+    else:
+        raise SystemExit('compiled %r %r' % (args, kw))
+"""
+
+
+@_needs_dsl
+def test_kernel_refuses_what_it_cannot_build(tmp_path: Path) -> None:
+    proc = run_dsl_script(_KERNEL_CHECKS, tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 5, proc.stdout
+    assert "impl='wgmma_ws_slot_major'" in lines[0] or "wgmma_ws_slot_major" in lines[0]
+    assert "needs sm_90a, not sm_100a" in lines[1]
+    assert "heads=64" in lines[2] and "supports heads (16, 32)" in lines[2]
+    assert "this module builds impl='wgmma_ws_slot_major'" in lines[3]
+    assert "atomic_width=2: the deterministic mode stores dKV rows" in lines[4]
+
+
+_VIEW_CHECK = """
+import cutlass.cute as cute
+from dsa_aot.kernels import cutedsl_bwd_ws_slot_major as k
+
+def differ(tile, view, rows, cols):
+    return sum(1 for r in range(rows) for c in range(cols) if tile((r, c)) != view((c, r)))
+
+@cute.jit
+def check():
+    for d in (512, 576):
+        for h in k.HEADS:
+            lay = k.ws_slot_major_smem_layouts(d, h)
+            assert len({str(v.inner) for v in lay.values()}) == 1
+            print("q", d, h, differ(lay["q"].outer, lay["q_t"].outer, h, d))
+            print("p", d, h, differ(lay["p"].outer, lay["p_t"].outer, h, k.BLOCK_N))
+            print("kv", d, h, differ(lay["kv"].outer, lay["kv_t"].outer, k.BLOCK_N, d))
+            print("dout", d, h, differ(lay["dout"].outer, lay["dout_t"].outer, h, 512))
+            _, storage = k.shared_storage(d, h)
+            print("smem", d, h, storage.size_in_bytes())
+
+check()
+"""
+
+
+@_needs_dsl
+def test_operand_views_alias_the_tiles_and_shared_memory_fits(tmp_path: Path) -> None:
+    """The MN-major views (``q_t``, ``dout_t``, ``kv_t``, ``p_t``) address exactly the K-major
+    tiles' elements, under one swizzle; one CTA's shared memory (plus the 1 KiB the compiler
+    reserves) fits an sm_90a CTA."""
+    proc = run_dsl_script(_VIEW_CHECK, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split() for line in proc.stdout.splitlines()]
+    counts = [line for line in lines if line[0] in ("q", "p", "kv", "dout")]
+    assert len(counts) == 16 and all(line[-1] == "0" for line in counts), proc.stdout
+    smem = {(int(line[1]), int(line[2])): int(line[3]) for line in lines if line[0] == "smem"}
+    assert len(smem) == 4 and max(smem.values()) + 1024 <= SMEM_LIMIT, smem
+    # tiles: q, dout, one 64-slot KV tile, P and dS (bf16), plus indices, lse and delta
+    tiles = 2 * (32 * 576 + 32 * 512 + 64 * 576 + 2 * 32 * 64)
+    assert tiles <= smem[(576, 32)] <= tiles + 2048, smem
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[tuple, CuteExportRecord]]:
+    if not _HAS_DSL:
+        pytest.skip("needs nvidia-cutlass-dsl to compile")
+    out = tmp_path_factory.mktemp("ws_slot_major")
+    requests = [_request(*v) for v in VARIANTS]
+    requests += [_request(*v, flavour=bwd_main_default_impl("sm_90a", v[1])) for v in TWINS]
+    return out, {(r.d_qk, r.heads, r.layout, r.deterministic, r.impl): r
+                 for r in build_cutedsl(requests, out)}
+
+
+@_needs_dsl
+def test_every_variant_builds_with_the_default_flavours_abi(
+        built: tuple[Path, dict[tuple, CuteExportRecord]]) -> None:
+    out, records = built
+    for d_qk, heads, layout, det in VARIANTS:
+        rec = records[d_qk, heads, layout, det, IMPL]
+        assert (rec.kernel, rec.arch) == ("bwd_main", "sm_90a")
+        # named apart from the default flavour's artifact of the same variant
+        assert rec.name == (f"cutedsl_bwd_main_sm_90a_d{d_qk}_h{heads}_{layout}_{IMPL}"
+                            + ("_det" if det else "") + "_static")
+        header = (out / rec.name / rec.header).read_text()
+        assert f"void *args[{len(rec.args) + 1}] = {{" in header
+    for v in TWINS:
+        twin = records[(*v, "wgmma_slot_major")]
+        assert twin.name == records[(*v, IMPL)].name.replace(f"_{IMPL}", "")
+        assert records[(*v, IMPL)].args == twin.args
+
+
+@_needs_dsl
+def test_cubins_spill_nothing(built: tuple[Path, dict[tuple, CuteExportRecord]]) -> None:
+    """No local memory (spills) and at most 255 registers a thread (256 threads a CTA)."""
+    out, records = built
+    for v in VARIANTS:
+        rec = records[(*v, IMPL)]
+        found = cubin_resources(embedded_cubin((out / rec.name / rec.object_file).read_bytes()))
+        assert found.get("frame") == 0 and 0 < found.get("regs", 0) <= MAX_REGS, (rec.name, found)
+
+
+@_needs_dsl
+def test_libraries_open_without_cutlass(built: tuple[Path, dict[tuple, CuteExportRecord]]) -> None:
+    out, records = built
+    folders = [str(out / records[(*v, IMPL)].name) for v in VARIANTS]
+    code = ("import sys\nfrom dsa_aot.backends.cutedsl.runtime import load_kernel\n"
+            "for folder in sys.argv[1:]:\n"
+            "    k = load_kernel(folder)\n    print(','.join(k.tensor_names + k.scalar_names))\n"
+            "assert 'cutlass' not in sys.modules and 'torch' not in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code, *folders], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.split()) == len(VARIANTS)
