@@ -101,43 +101,71 @@ def can_implement(d_qk: int, heads: int, layout: str) -> bool:
     return d_qk in D_QK_CHOICES and heads in HEADS and layout in LAYOUTS
 
 
-def ws_smem_layouts(d_qk: int) -> dict[str, cute.ComposedLayout]:
-    """Shared-memory layouts (call while tracing a ``cute.jit`` function).
+def ws_smem_layouts(d_qk: int, heads: int = BLOCK_H) -> dict[str, cute.ComposedLayout]:
+    """Shared-memory layouts (call while tracing a ``cute.jit`` function) of a CTA's ``heads``
+    heads (64 here; 16 or 32 in :mod:`.cutedsl_bwd_ws_slot_major`).
 
-    K-major tiles of 128-byte swizzled 8 x 64 atoms, rows first: ``q`` [64 heads, d_qk], ``dout``
-    [64, 512], ``kv`` [64 slots, d_qk] and ``p`` (also ``dS``) [64 heads, 64 slots]. ``q_t``,
+    K-major tiles of 128-byte swizzled 8 x 64 atoms, rows first: ``q`` [heads, d_qk], ``dout``
+    [heads, 512], ``kv`` [64 slots, d_qk] and ``p`` (also ``dS``) [heads, 64 slots]. ``q_t``,
     ``dout_t``, ``kv_t`` and ``p_t`` are MN-major views of the same bytes with the modes swapped
     (64 x 8 atoms), every 64-wide tile of the first mode contiguous.
     """
     k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
     mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, BFloat16)
     return {
-        "q": cute.tile_to_shape(k_atom, (BLOCK_H, d_qk), (0, 1)),
-        "dout": cute.tile_to_shape(k_atom, (BLOCK_H, D_V), (0, 1)),
+        "q": cute.tile_to_shape(k_atom, (heads, d_qk), (0, 1)),
+        "dout": cute.tile_to_shape(k_atom, (heads, D_V), (0, 1)),
         "kv": cute.tile_to_shape(k_atom, (BLOCK_N, d_qk), (0, 1)),
-        "p": cute.tile_to_shape(k_atom, (BLOCK_H, BLOCK_N), (0, 1)),
-        "q_t": cute.tile_to_shape(mn_atom, (d_qk, BLOCK_H), (1, 0)),
-        "dout_t": cute.tile_to_shape(mn_atom, (D_V, BLOCK_H), (1, 0)),
+        "p": cute.tile_to_shape(k_atom, (heads, BLOCK_N), (0, 1)),
+        "q_t": cute.tile_to_shape(mn_atom, (d_qk, heads), (1, 0)),
+        "dout_t": cute.tile_to_shape(mn_atom, (D_V, heads), (1, 0)),
         "kv_t": cute.tile_to_shape(mn_atom, (d_qk, BLOCK_N), (1, 0)),
-        "p_t": cute.tile_to_shape(mn_atom, (BLOCK_N, BLOCK_H), (1, 0)),
+        "p_t": cute.tile_to_shape(mn_atom, (BLOCK_N, heads), (1, 0)),
     }
 
 
-def shared_storage(d_qk: int) -> tuple[dict[str, cute.ComposedLayout], type]:
+def shared_storage(d_qk: int, heads: int = BLOCK_H) -> tuple[dict[str, cute.ComposedLayout], type]:
     """The layouts of :func:`ws_smem_layouts` and the kernel's shared-memory struct (call while
     tracing; ``size_in_bytes()`` is the dynamic shared memory of one CTA)."""
-    lay = ws_smem_layouts(d_qk)
+    lay = ws_smem_layouts(d_qk, heads)
     align, mem = cute.struct.Align, cute.struct.MemRange
     fields = {f"s_{name}": align[mem[BFloat16, cute.cosize(lay[key].outer)], 1024]
               for name, key in (("q", "q"), ("do", "dout"), ("kv", "kv"), ("p", "p"),
                                 ("ds", "p"))}
     fields |= {"s_idx": align[mem[Int32, 2 * BLOCK_N], 16],
                "s_valid": align[mem[Int32, 2 * BLOCK_N], 16],
-               "s_lse": align[mem[Float32, BLOCK_H], 16],
-               "s_delta": align[mem[Float32, BLOCK_H], 16]}
+               "s_lse": align[mem[Float32, heads], 16],
+               "s_delta": align[mem[Float32, heads], 16]}
     # built from a dict: this module's annotations are strings (postponed evaluation)
     SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
     return lay, SharedStorage
+
+
+#: The order in which a ws kernel takes the layouts of :func:`ws_smem_layouts`.
+LAYOUT_ORDER = ("q", "dout", "kv", "p", "q_t", "dout_t", "kv_t", "p_t")
+
+
+def ws_smem_views(storage: object, layouts: tuple, heads: int) -> dict:
+    """The tiles of a ws kernel's shared-memory ``storage`` (:func:`shared_storage`) and their
+    MN-major views, by the names the warpgroups use; ``layouts`` in :data:`LAYOUT_ORDER`."""
+    q_lay, do_lay, kv_lay, p_lay, qt_lay, dot_lay, kt_lay, pt_lay = layouts
+    s_q = storage.s_q.get_tensor(q_lay.outer, swizzle=q_lay.inner)
+    s_do = storage.s_do.get_tensor(do_lay.outer, swizzle=do_lay.inner)
+    s_kv = storage.s_kv.get_tensor(kv_lay.outer, swizzle=kv_lay.inner)
+    s_p = storage.s_p.get_tensor(p_lay.outer, swizzle=p_lay.inner)
+    s_ds = storage.s_ds.get_tensor(p_lay.outer, swizzle=p_lay.inner)
+    return {
+        "q": s_q, "do": s_do, "kv": s_kv, "p": s_p, "ds": s_ds,
+        "qt": cute.make_tensor(s_q.iterator, qt_lay.outer),       # (d, h)
+        "dot": cute.make_tensor(s_do.iterator, dot_lay.outer),    # (512, h)
+        "kt": cute.make_tensor(s_kv.iterator, kt_lay.outer),      # (d, slot)
+        "pt": cute.make_tensor(s_p.iterator, pt_lay.outer),       # (slot, h)
+        "dst": cute.make_tensor(s_ds.iterator, pt_lay.outer),     # (slot, h)
+        "idx": storage.s_idx.get_tensor(cute.make_layout(2 * BLOCK_N)),
+        "valid": storage.s_valid.get_tensor(cute.make_layout(2 * BLOCK_N)),
+        "lse": storage.s_lse.get_tensor(cute.make_layout(heads)),
+        "delta": storage.s_delta.get_tensor(cute.make_layout(heads)),
+    }
 
 
 class SparseMlaBwdWs(SparseMlaBwdMain):
@@ -152,6 +180,8 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         self.impl = IMPL
         self.score_dq_tiles = SCORE_DQ_TILES
         self.gather_threads = WG_THREADS  # warpgroup 0 gathers
+        #: the heads of one CTA (the K of the dKV chunk GEMMs)
+        self.cta_heads = BLOCK_H
 
     # ---------------------------------------------------------------------------------------
     # Host side
@@ -230,23 +260,10 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        s_q = storage.s_q.get_tensor(s_q_layout.outer, swizzle=s_q_layout.inner)
-        s_do = storage.s_do.get_tensor(s_do_layout.outer, swizzle=s_do_layout.inner)
-        s_kv_t = storage.s_kv.get_tensor(s_kv_layout.outer, swizzle=s_kv_layout.inner)
-        s_p = storage.s_p.get_tensor(s_p_layout.outer, swizzle=s_p_layout.inner)
-        s_ds = storage.s_ds.get_tensor(s_p_layout.outer, swizzle=s_p_layout.inner)
-        smem_views = {
-            "q": s_q, "do": s_do, "kv": s_kv_t, "p": s_p, "ds": s_ds,
-            "qt": cute.make_tensor(s_q.iterator, s_qt_layout.outer),       # (d, h)
-            "dot": cute.make_tensor(s_do.iterator, s_dot_layout.outer),    # (512, h)
-            "kt": cute.make_tensor(s_kv_t.iterator, s_kt_layout.outer),    # (d, slot)
-            "pt": cute.make_tensor(s_p.iterator, s_pt_layout.outer),       # (slot, h)
-            "dst": cute.make_tensor(s_ds.iterator, s_pt_layout.outer),     # (slot, h)
-            "idx": storage.s_idx.get_tensor(cute.make_layout(2 * BLOCK_N)),
-            "valid": storage.s_valid.get_tensor(cute.make_layout(2 * BLOCK_N)),
-            "lse": storage.s_lse.get_tensor(cute.make_layout(BLOCK_H)),
-            "delta": storage.s_delta.get_tensor(cute.make_layout(BLOCK_H)),
-        }
+        smem_views = ws_smem_views(storage, (s_q_layout, s_do_layout, s_kv_layout, s_p_layout,
+                                             s_qt_layout, s_dot_layout, s_kt_layout, s_pt_layout),
+                                   BLOCK_H)
+        s_q, s_do, s_kv_t = smem_views["q"], smem_views["do"], smem_views["kv"]
 
         # ---- q, dout -> shared (all threads), lse / delta; warpgroup 0 gathers block 0 ----
         thr_row = row_copy.get_slice(tidx)
@@ -365,27 +382,34 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
     def dkv_warpgroup(self, t: Int32, hb: Int32, n_blocks: Int32, topk: Int32,
                       m_dq: cute.Tensor, m_dkv: cute.Tensor, sm: dict, mma_dq: cute.TiledMma,
                       mma_kv: cute.TiledMma, wtid: Int32) -> None:
-        """Warpgroup 1 over the row's blocks: the other dQ tiles, dKV chunks and their atomics
-        (the deterministic mode: their stored rows)."""
+        """Warpgroup 1 over the row's blocks: the other dQ tiles (none when the score warpgroup
+        takes them all), dKV chunks and their atomics (the deterministic mode: their stored
+        rows)."""
         d = self.d_qk
+        heads = self.cta_heads
         n_dq = d // TILE - self.score_dq_tiles
         n_chunks = d // TILE
         n_v_chunks = D_V // TILE
         lane = cute.arch.lane_idx()
-        mma_dq.set(warpgroup.Field.ACCUMULATE, True)
-        wg_dq = mma_dq.get_slice(0)
+        # without dQ tiles, mma_dq is the score warpgroup's alone (a TiledMma's fields are traced
+        # values: set in both branches of the warpgroup split, they would escape one of them)
+        if cutlass.const_expr(n_dq > 0):
+            mma_dq.set(warpgroup.Field.ACCUMULATE, True)
+            wg_dq = mma_dq.get_slice(0)
         wg_kv = mma_kv.get_slice(0)
-        r_ds = mma_dq.make_fragment_A(wg_dq.partition_A(sm["ds"]))   # (MMA, 1, 4)
+        if cutlass.const_expr(n_dq > 0):
+            r_ds = mma_dq.make_fragment_A(wg_dq.partition_A(sm["ds"]))   # (MMA, 1, 4)
         r_kt = [mma_dq.make_fragment_B(wg_dq.partition_B(                 # (MMA, 1, 4) each
             cute.local_tile(sm["kt"], (TILE, BLOCK_N), (self.score_dq_tiles + i, 0))))
             for i in range(n_dq)]
-        r_dst = mma_kv.make_fragment_A(wg_kv.partition_A(sm["dst"]))  # (MMA, 1, 4)
-        r_pt = mma_kv.make_fragment_A(wg_kv.partition_A(sm["pt"]))    # (MMA, 1, 4)
+        r_dst = mma_kv.make_fragment_A(wg_kv.partition_A(sm["dst"]))  # (MMA, 1, heads/16)
+        r_pt = mma_kv.make_fragment_A(wg_kv.partition_A(sm["pt"]))    # (MMA, 1, heads/16)
         r_qt = [mma_kv.make_fragment_B(wg_kv.partition_B(
-            cute.local_tile(sm["qt"], (TILE, BLOCK_H), (c, 0)))) for c in range(n_chunks)]
+            cute.local_tile(sm["qt"], (TILE, heads), (c, 0)))) for c in range(n_chunks)]
         r_dot = [mma_kv.make_fragment_B(wg_kv.partition_B(
-            cute.local_tile(sm["dot"], (TILE, BLOCK_H), (c, 0)))) for c in range(n_v_chunks)]
-        thr_dq = mma_dq.get_slice(wtid)
+            cute.local_tile(sm["dot"], (TILE, heads), (c, 0)))) for c in range(n_v_chunks)]
+        if cutlass.const_expr(n_dq > 0):
+            thr_dq = mma_dq.get_slice(wtid)
         thr_kv = mma_kv.get_slice(wtid)
         acc_dq = [cute.make_rmem_tensor(thr_dq.partition_shape_C((BLOCK_H, TILE)), Float32)
                   for _ in range(n_dq)]
@@ -393,17 +417,18 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
             acc_dq[i].fill(0.0)
         kv_shape = thr_kv.partition_shape_C((BLOCK_N, TILE))
         kv_coords = wg_rows_cols(thr_kv.partition_C(cute.make_identity_tensor((BLOCK_N, TILE))))
-        k_steps = BLOCK_H // 16
+        k_steps = heads // 16
 
         for b in cutlass.range(n_blocks, unroll=1):
             buf = (b % 2) * BLOCK_N
             cute.arch.barrier(barrier_id=BAR_PDS_FULL, number_of_threads=THREADS)
-            warpgroup.fence()
-            for i in cutlass.range_constexpr(n_dq):
-                for k in cutlass.range_constexpr(BLOCK_N // 16):
-                    cute.gemm(mma_dq, acc_dq[i], r_ds[None, None, k], r_kt[i][None, None, k],
-                              acc_dq[i])
-            warpgroup.commit_group()
+            if cutlass.const_expr(n_dq > 0):
+                warpgroup.fence()
+                for i in cutlass.range_constexpr(n_dq):
+                    for k in cutlass.range_constexpr(BLOCK_N // 16):
+                        cute.gemm(mma_dq, acc_dq[i], r_ds[None, None, k],
+                                  r_kt[i][None, None, k], acc_dq[i])
+                warpgroup.commit_group()
             slots = self.dkv_slots(buf, kv_coords, lane)
             row_ok = [sm["valid"][s] for s in slots]
             row_ptr = self.dkv_row_ptrs(m_dkv, sm["idx"], slots, buf, b * BLOCK_N, t, hb, topk)
@@ -416,12 +441,14 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                 warpgroup.fence()
                 wg_gemm(mma_kv, acc_kv[c % 2], steps, False)  # the first step overwrites
                 warpgroup.commit_group()
-                warpgroup.wait_group(1)  # dQ (c = 0) or chunk c - 1 is done
                 if cutlass.const_expr(c == 0):
-                    if b + 1 < n_blocks:  # the KV tile's last reader is done: gather the next
-                        cute.arch.barrier_arrive(barrier_id=BAR_KV_EMPTY,
-                                                 number_of_threads=THREADS)
+                    if cutlass.const_expr(n_dq > 0):
+                        warpgroup.wait_group(1)  # dQ is done
+                        if b + 1 < n_blocks:  # the KV tile's last reader is done
+                            cute.arch.barrier_arrive(barrier_id=BAR_KV_EMPTY,
+                                                     number_of_threads=THREADS)
                 else:
+                    warpgroup.wait_group(1)  # chunk c - 1 is done
                     self.scatter_chunk(wg_rows_cols(acc_kv[(c - 1) % 2]), kv_coords, row_ok,
                                        row_ptr, (c - 1) * TILE, lane)
             warpgroup.wait_group(0)
@@ -430,7 +457,8 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
             self.scatter_chunk(wg_rows_cols(acc_kv[(n_chunks - 1) % 2]), kv_coords, row_ok,
                                row_ptr, (n_chunks - 1) * TILE, lane)
 
-        self.store_dq(t, hb, m_dq, acc_dq, thr_dq, self.score_dq_tiles)
+        if cutlass.const_expr(n_dq > 0):
+            self.store_dq(t, hb, m_dq, acc_dq, thr_dq, self.score_dq_tiles)
 
     @cute.jit
     def store_dq(self, t: Int32, hb: Int32, m_dq: cute.Tensor, acc_dq: list,
@@ -486,5 +514,5 @@ def compile_bwd_ws(arch: str, d_qk: int, heads: int, layout: str, atomic_width: 
 
 __all__ = ["HEADS", "IMPL", "SparseMlaBwdWs", "SparseMlaBwdWsCompact",
            "SparseMlaBwdWsCompactDeterministic", "SparseMlaBwdWsNoncompact",
-           "SparseMlaBwdWsNoncompactDeterministic",
-           "can_implement", "check_params", "compile_bwd_ws", "ws_smem_layouts"]
+           "SparseMlaBwdWsNoncompactDeterministic", "LAYOUT_ORDER",
+           "can_implement", "check_params", "compile_bwd_ws", "ws_smem_layouts", "ws_smem_views"]

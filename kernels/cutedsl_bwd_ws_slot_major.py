@@ -35,10 +35,12 @@ Hand-offs (named barriers of all 256 threads; ``->`` arrive, ``<-`` wait), per b
 - warpgroup 1: ``<- PDS_FULL``; the dKV chunks and their atomics; ``-> PDS_EMPTY`` when the last
   chunk's MMAs are done; the last chunk's atomics.
 
-Shared memory: ``q`` [H, d], ``dout`` [H, 512], one 64-slot KV tile, ``P`` and ``dS`` [H, 64],
-indices, ``lse`` and ``delta``: 151,552 bytes of tiles at H 32 D 576, one CTA of two warpgroups
-per SM (registers). ``dQ^T`` (``D x H`` fp32) stays in warpgroup 0's registers over the row and
-is stored as bf16 at the end (0 for a row without a valid slot).
+Shared memory: :mod:`.cutedsl_bwd_ws`'s struct for H heads (``q`` [H, d], ``dout`` [H, 512],
+one 64-slot KV tile, ``P`` and ``dS`` [H, 64], indices, ``lse`` and ``delta``: 151,552 bytes of
+tiles at H 32 D 576), one CTA of two warpgroups per SM (registers: 198-236 a thread). ``dQ^T``
+(``D x H`` fp32) stays in warpgroup 0's registers over the row and is stored as bf16 at the end
+(0 for a row without a valid slot). Warpgroup 1 is
+:meth:`~dsa_aot.kernels.cutedsl_bwd_ws.SparseMlaBwdWs.dkv_warpgroup` with no ``dQ`` tiles.
 
 Deterministic mode (``deterministic=True``): each valid slot's dKV row is stored (bf16) into
 ``dkv_rows`` [s_q * topk, 1, D] instead of added atomically, as in :mod:`.cutedsl_bwd_ws`.
@@ -59,30 +61,26 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import hopper_helpers as sm90_utils
 
 from dsa_aot.kernels import cutedsl_bwd_main as main
+from dsa_aot.kernels import cutedsl_bwd_ws as ws
 from dsa_aot.kernels.cutedsl_bwd_main import (LOG2E, DeterministicCompactEntry,
                                               DeterministicNoncompactEntry, SparseMlaBwdMain,
                                               SparseMlaBwdMainCompact,
                                               SparseMlaBwdMainNoncompact, fake_arguments,
-                                              score_gemms, wg_gemm)
+                                              score_gemms)
 from dsa_aot.kernels.cutedsl_bwd_slot_major import softmax_grad_slot_major
-from dsa_aot.kernels.cutedsl_common import D_QK_CHOICES, D_V, LAYOUTS, VEC, wg_rows_cols
+from dsa_aot.kernels.cutedsl_bwd_ws import (BAR_PDS_EMPTY, BAR_PDS_FULL, BAR_SCORE, BLOCK_N,
+                                            LAYOUT_ORDER, THREADS, TILE, WG_THREADS,
+                                            SparseMlaBwdWs, ws_smem_views)
+from dsa_aot.kernels.cutedsl_common import D_QK_CHOICES, LAYOUTS, VEC, wg_rows_cols
 
 #: The ``impl`` name of this flavour (the build's ``tile.flavour``).
 IMPL = "wgmma_ws_slot_major"
 #: Head counts this flavour supports (the MMA N of the score and ``dQ^T`` GEMMs).
 HEADS = (16, 32)
-WG_THREADS = 128
-THREADS = 2 * WG_THREADS
-#: Top-k slots per block (the MMA M of the score and dKV GEMMs).
-BLOCK_N = 64
-#: ``dQ^T`` row tile (MMA M) and dKV column chunk (MMA N): one 64-wide 128-byte swizzle atom.
-TILE = 64
-#: Named barriers (0 is __syncthreads): the two hand-offs, and warpgroup 0's own.
-BAR_PDS_FULL, BAR_PDS_EMPTY, BAR_SCORE = 1, 2, 3
 
-assert main.THREADS == THREADS and main.BLOCK_N == BLOCK_N and main.VEC == VEC
-
-_INF = float("inf")
+# 64-slot blocks (``BLOCK_N``, the MMA M of the score and dKV GEMMs), 64-wide ``dQ^T`` row
+# tiles and dKV chunks (``TILE``), 2 x 128 threads and the named barriers: those of
+# :mod:`.cutedsl_bwd_ws` (``BAR_KV_EMPTY`` unused: warpgroup 0 is the KV tile's only reader)
 
 
 def check_params(d_qk: int, heads: int, layout: str, arch: str = "sm_90a") -> None:
@@ -101,55 +99,33 @@ def can_implement(d_qk: int, heads: int, layout: str) -> bool:
 
 
 def ws_slot_major_smem_layouts(d_qk: int, heads: int) -> dict[str, cute.ComposedLayout]:
-    """Shared-memory layouts (call while tracing a ``cute.jit`` function).
-
-    K-major tiles of 128-byte swizzled 8 x 64 atoms, rows first: ``q`` [H, d_qk], ``dout``
-    [H, 512], ``kv`` [64 slots, d_qk] and ``p`` (also ``dS``) [H, 64 slots]. ``q_t``, ``dout_t``,
-    ``kv_t`` and ``p_t`` are MN-major views of the same bytes with the modes swapped (64 x 8
-    atoms), every 64-wide tile of the first mode contiguous.
-    """
-    k_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
-    mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, BFloat16)
-    return {
-        "q": cute.tile_to_shape(k_atom, (heads, d_qk), (0, 1)),
-        "dout": cute.tile_to_shape(k_atom, (heads, D_V), (0, 1)),
-        "kv": cute.tile_to_shape(k_atom, (BLOCK_N, d_qk), (0, 1)),
-        "p": cute.tile_to_shape(k_atom, (heads, BLOCK_N), (0, 1)),
-        "q_t": cute.tile_to_shape(mn_atom, (d_qk, heads), (1, 0)),
-        "dout_t": cute.tile_to_shape(mn_atom, (D_V, heads), (1, 0)),
-        "kv_t": cute.tile_to_shape(mn_atom, (d_qk, BLOCK_N), (1, 0)),
-        "p_t": cute.tile_to_shape(mn_atom, (BLOCK_N, heads), (1, 0)),
-    }
+    """Shared-memory layouts (call while tracing a ``cute.jit`` function): those of
+    :func:`~dsa_aot.kernels.cutedsl_bwd_ws.ws_smem_layouts` for ``heads`` heads (``q`` [H, d_qk],
+    ``dout`` [H, 512], ``kv`` [64 slots, d_qk], ``p`` / ``dS`` [H, 64 slots] and their MN-major
+    views ``q_t``, ``dout_t``, ``kv_t``, ``p_t``)."""
+    return ws.ws_smem_layouts(d_qk, heads)
 
 
 def shared_storage(d_qk: int, heads: int) -> tuple[dict[str, cute.ComposedLayout], type]:
     """The layouts of :func:`ws_slot_major_smem_layouts` and the kernel's shared-memory struct
     (call while tracing; ``size_in_bytes()`` is the dynamic shared memory of one CTA)."""
-    lay = ws_slot_major_smem_layouts(d_qk, heads)
-    align, mem = cute.struct.Align, cute.struct.MemRange
-    fields = {f"s_{name}": align[mem[BFloat16, cute.cosize(lay[key].outer)], 1024]
-              for name, key in (("kv", "kv"), ("q", "q"), ("do", "dout"), ("p", "p"),
-                                ("ds", "p"))}
-    fields |= {"s_idx": align[mem[Int32, 2 * BLOCK_N], 16],
-               "s_valid": align[mem[Int32, 2 * BLOCK_N], 16],
-               "s_lse": align[mem[Float32, heads], 16],
-               "s_delta": align[mem[Float32, heads], 16]}
-    # built from a dict: this module's annotations are strings (postponed evaluation)
-    SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
-    return lay, SharedStorage
+    return ws.shared_storage(d_qk, heads)
 
 
-class SparseMlaBwdWsSlotMajor(SparseMlaBwdMain):
+class SparseMlaBwdWsSlotMajor(SparseMlaBwdWs):
     """The slot-major backward main kernel with a score and a dKV warpgroup, for one
-    ``(d_qk, heads, layout)``."""
+    ``(d_qk, heads, layout)``: warpgroup 1 is :meth:`SparseMlaBwdWs.dkv_warpgroup` with every
+    ``dQ^T`` tile on warpgroup 0."""
 
     def __init__(self, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
                  scatter: bool = True, deterministic: bool = False) -> None:
         check_params(d_qk, heads, layout)
-        super().__init__(d_qk, heads, layout, atomic_width=atomic_width, scatter=scatter,
-                         impl="wgmma", deterministic=deterministic)
+        SparseMlaBwdMain.__init__(self, d_qk, heads, layout, atomic_width=atomic_width,
+                                  scatter=scatter, impl="wgmma", deterministic=deterministic)
         self.impl = IMPL
         self.gather_threads = WG_THREADS  # warpgroup 0 gathers, 64 rows a block
+        self.score_dq_tiles = d_qk // TILE  # every dQ^T tile: warpgroup 1 computes none
+        self.cta_heads = heads
 
     # ---------------------------------------------------------------------------------------
     # Host side
@@ -186,8 +162,7 @@ class SparseMlaBwdWsSlotMajor(SparseMlaBwdMain):
             lay, SharedStorage = shared_storage(self.d_qk, heads)
             self.kernel_ws_slot_major(
                 q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc, softmax_scale,
-                lay["q"], lay["dout"], lay["kv"], lay["p"], lay["q_t"], lay["dout_t"],
-                lay["kv_t"], lay["p_t"], row_copy, mma_s, mma_dq, mma_kv,
+                *(lay[name] for name in LAYOUT_ORDER), row_copy, mma_s, mma_dq, mma_kv,
                 SharedStorage).launch(grid=[s_q_rows, 1, 1], block=[THREADS, 1, 1],
                                       smem=SharedStorage.size_in_bytes(), stream=stream)
 
@@ -219,23 +194,9 @@ class SparseMlaBwdWsSlotMajor(SparseMlaBwdMain):
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        s_q = storage.s_q.get_tensor(s_q_layout.outer, swizzle=s_q_layout.inner)
-        s_do = storage.s_do.get_tensor(s_do_layout.outer, swizzle=s_do_layout.inner)
-        s_kv_t = storage.s_kv.get_tensor(s_kv_layout.outer, swizzle=s_kv_layout.inner)
-        s_p = storage.s_p.get_tensor(s_p_layout.outer, swizzle=s_p_layout.inner)
-        s_ds = storage.s_ds.get_tensor(s_p_layout.outer, swizzle=s_p_layout.inner)
-        sm = {
-            "q": s_q, "do": s_do, "kv": s_kv_t, "p": s_p, "ds": s_ds,
-            "qt": cute.make_tensor(s_q.iterator, s_qt_layout.outer),       # (d, h)
-            "dot": cute.make_tensor(s_do.iterator, s_dot_layout.outer),    # (512, h)
-            "kt": cute.make_tensor(s_kv_t.iterator, s_kt_layout.outer),    # (d, slot)
-            "pt": cute.make_tensor(s_p.iterator, s_pt_layout.outer),       # (slot, h)
-            "dst": cute.make_tensor(s_ds.iterator, s_pt_layout.outer),     # (slot, h)
-            "idx": storage.s_idx.get_tensor(cute.make_layout(2 * BLOCK_N)),
-            "valid": storage.s_valid.get_tensor(cute.make_layout(2 * BLOCK_N)),
-            "lse": storage.s_lse.get_tensor(cute.make_layout(heads)),
-            "delta": storage.s_delta.get_tensor(cute.make_layout(heads)),
-        }
+        sm = ws_smem_views(storage, (s_q_layout, s_do_layout, s_kv_layout, s_p_layout,
+                                     s_qt_layout, s_dot_layout, s_kt_layout, s_pt_layout), heads)
+        s_q, s_do, s_kv_t = sm["q"], sm["do"], sm["kv"]
 
         # ---- q (warpgroup 0), dout (warpgroup 1) -> shared; lse, delta; block 0's gather ----
         thr_row = row_copy.get_slice(wtid)
@@ -257,15 +218,17 @@ class SparseMlaBwdWsSlotMajor(SparseMlaBwdMain):
         cute.arch.barrier()
 
         if wg == 0:
-            self.score_warpgroup(t, n_blocks, n_slots, m_idx, m_dq, softmax_scale, sm,
+            self.slot_major_score_warpgroup(t, n_blocks, n_slots, m_idx, m_dq, softmax_scale, sm,
                                  gather_args, mma_s, mma_dq, wtid)
         else:
-            self.dkv_warpgroup(t, n_blocks, topk, m_dkv, sm, mma_kv, wtid)
+            self.dkv_warpgroup(t, Int32(0), n_blocks, topk, m_dq, m_dkv, sm, mma_dq, mma_kv,
+                               wtid)
 
     @cute.jit
-    def score_warpgroup(self, t: Int32, n_blocks: Int32, n_slots: Int32, m_idx: cute.Tensor,
-                        m_dq: cute.Tensor, softmax_scale: Float32, sm: dict, gather_args: list,
-                        mma_s: cute.TiledMma, mma_dq: cute.TiledMma, wtid: Int32) -> None:
+    def slot_major_score_warpgroup(self, t: Int32, n_blocks: Int32, n_slots: Int32,
+                                   m_idx: cute.Tensor, m_dq: cute.Tensor, softmax_scale: Float32,
+                                   sm: dict, gather_args: list, mma_s: cute.TiledMma,
+                                   mma_dq: cute.TiledMma, wtid: Int32) -> None:
         """Warpgroup 0 over the row's blocks: the gathers, ``S^T``, ``dP^T``, ``P``, ``dS`` and
         every ``dQ^T`` tile; stores ``dq`` at the end."""
         d = self.d_qk
@@ -347,53 +310,6 @@ class SparseMlaBwdWsSlotMajor(SparseMlaBwdMain):
             r_o.store(acc_dq[i].load().to(BFloat16))
             for e in cutlass.range_constexpr(cute.size(r_o)):
                 g_dq[c_dq[e][1], i * TILE + c_dq[e][0]] = r_o[e]
-
-    @cute.jit
-    def dkv_warpgroup(self, t: Int32, n_blocks: Int32, topk: Int32, m_dkv: cute.Tensor,
-                      sm: dict, mma_kv: cute.TiledMma, wtid: Int32) -> None:
-        """Warpgroup 1 over the row's blocks: the dKV chunks and their atomics (the
-        deterministic mode: their stored rows)."""
-        heads = self.heads
-        n_chunks = self.d_qk // TILE
-        n_v_chunks = D_V // TILE
-        lane = cute.arch.lane_idx()
-        wg_kv = mma_kv.get_slice(0)
-        r_dst = mma_kv.make_fragment_A(wg_kv.partition_A(sm["dst"]))  # (MMA, 1, H/16)
-        r_pt = mma_kv.make_fragment_A(wg_kv.partition_A(sm["pt"]))    # (MMA, 1, H/16)
-        r_qt = [mma_kv.make_fragment_B(wg_kv.partition_B(
-            cute.local_tile(sm["qt"], (TILE, heads), (c, 0)))) for c in range(n_chunks)]
-        r_dot = [mma_kv.make_fragment_B(wg_kv.partition_B(
-            cute.local_tile(sm["dot"], (TILE, heads), (c, 0)))) for c in range(n_v_chunks)]
-        thr_kv = mma_kv.get_slice(wtid)
-        kv_shape = thr_kv.partition_shape_C((BLOCK_N, TILE))
-        kv_coords = wg_rows_cols(thr_kv.partition_C(cute.make_identity_tensor((BLOCK_N, TILE))))
-        k_steps = heads // 16
-
-        for b in cutlass.range(n_blocks, unroll=1):
-            buf = (b % 2) * BLOCK_N
-            cute.arch.barrier(barrier_id=BAR_PDS_FULL, number_of_threads=THREADS)
-            slots = self.dkv_slots(buf, kv_coords, lane)
-            row_ok = [sm["valid"][s] for s in slots]
-            row_ptr = self.dkv_row_ptrs(m_dkv, sm["idx"], slots, buf, b * BLOCK_N, t, Int32(0),
-                                        topk)
-            acc_kv = [cute.make_rmem_tensor(kv_shape, Float32) for _ in range(2)]
-            for c in cutlass.range_constexpr(n_chunks):
-                steps = [(r_dst[None, None, k], r_qt[c][None, None, k]) for k in range(k_steps)]
-                if cutlass.const_expr(c < n_v_chunks):
-                    steps += [(r_pt[None, None, k], r_dot[c][None, None, k])
-                              for k in range(k_steps)]
-                warpgroup.fence()
-                wg_gemm(mma_kv, acc_kv[c % 2], steps, False)  # the first step overwrites
-                warpgroup.commit_group()
-                if cutlass.const_expr(c > 0):
-                    warpgroup.wait_group(1)  # chunk c - 1 is done
-                    self.scatter_chunk(wg_rows_cols(acc_kv[(c - 1) % 2]), kv_coords, row_ok,
-                                       row_ptr, (c - 1) * TILE, lane)
-            warpgroup.wait_group(0)
-            if b + 1 < n_blocks:  # P / dS read for the last time: the next block's may land
-                cute.arch.barrier_arrive(barrier_id=BAR_PDS_EMPTY, number_of_threads=THREADS)
-            self.scatter_chunk(wg_rows_cols(acc_kv[(n_chunks - 1) % 2]), kv_coords, row_ok,
-                               row_ptr, (n_chunks - 1) * TILE, lane)
 
 
 class SparseMlaBwdWsSlotMajorCompact(SparseMlaBwdWsSlotMajor, SparseMlaBwdMainCompact):
