@@ -247,7 +247,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         d = self.d_qk
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
-        n_hb = self.heads // BLOCK_H
+        n_hb = self.heads // self.cta_heads
         t = bid // n_hb   # the head blocks of a row are neighbours: its second gather hits L2
         hb = bid % n_hb
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
@@ -262,16 +262,14 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         storage = smem.allocate(SharedStorage)
         smem_views = ws_smem_views(storage, (s_q_layout, s_do_layout, s_kv_layout, s_p_layout,
                                              s_qt_layout, s_dot_layout, s_kt_layout, s_pt_layout),
-                                   BLOCK_H)
-        s_q, s_do, s_kv_t = smem_views["q"], smem_views["do"], smem_views["kv"]
+                                   self.cta_heads)
 
-        # ---- q, dout -> shared (all threads), lse / delta; warpgroup 0 gathers block 0 ----
-        thr_row = row_copy.get_slice(tidx)
-        self.load_row(t, hb, m_q, m_do, m_lse, m_delta, s_q, s_do, smem_views["lse"],
-                      smem_views["delta"], thr_row, row_copy, tidx // (TILE // VEC), tidx)
+        # ---- q, dout -> shared, lse / delta; warpgroup 0 gathers block 0 ----
+        self.load_query_row(t, hb, m_q, m_do, m_lse, m_delta, smem_views, row_copy, tidx, wtid,
+                            wg)
         cute.arch.cp_async_commit_group()
-        gather_args = self.kv_gather_args(m_kv, s_kv_t, smem_views["idx"], smem_views["valid"],
-                                          wtid // (TILE // VEC), wtid)
+        gather_args = self.kv_gather_args(m_kv, smem_views["kv"], smem_views["idx"],
+                                          smem_views["valid"], wtid // (TILE // VEC), wtid)
         if wg == 0:
             if n_blocks > 0:
                 self.gather(self.load_indices(0, t, m_idx, n_slots, wtid // (TILE // VEC)), 0,
@@ -287,6 +285,16 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         else:
             self.dkv_warpgroup(t, hb, n_blocks, topk, m_dq, m_dkv, smem_views, mma_dq_ss,
                                mma_kv, wtid)
+
+    @cute.jit
+    def load_query_row(self, t: Int32, hb: Int32, m_q: cute.Tensor, m_do: cute.Tensor,
+                       m_lse: cute.Tensor, m_delta: cute.Tensor, sm: dict,
+                       row_copy: cute.TiledCopy, tidx: Int32, wtid: Int32, wg: Int32) -> None:
+        """Issue the ``cp.async`` copies of row ``t``'s ``q`` and ``dout`` (head block ``hb``),
+        all threads, and store its ``lse`` (base 2) and ``delta`` (no commit)."""
+        thr_row = row_copy.get_slice(tidx)
+        self.load_row(t, hb, m_q, m_do, m_lse, m_delta, sm["q"], sm["do"], sm["lse"],
+                      sm["delta"], thr_row, row_copy, tidx // (TILE // VEC), tidx)
 
     @cute.jit
     def score_warpgroup(self, t: Int32, hb: Int32, n_blocks: Int32, n_slots: Int32,

@@ -70,7 +70,7 @@ from dsa_aot.kernels.cutedsl_bwd_main import (LOG2E, DeterministicCompactEntry,
 from dsa_aot.kernels.cutedsl_bwd_slot_major import softmax_grad_slot_major
 from dsa_aot.kernels.cutedsl_bwd_ws import (BAR_PDS_EMPTY, BAR_PDS_FULL, BAR_SCORE, BLOCK_N,
                                             LAYOUT_ORDER, THREADS, TILE, WG_THREADS,
-                                            SparseMlaBwdWs, ws_smem_views)
+                                            SparseMlaBwdWs)
 from dsa_aot.kernels.cutedsl_common import D_QK_CHOICES, LAYOUTS, VEC, wg_rows_cols
 
 #: The ``impl`` name of this flavour (the build's ``tile.flavour``).
@@ -160,77 +160,41 @@ class SparseMlaBwdWsSlotMajor(SparseMlaBwdWs):
         s_q_rows = cute.size(q, mode=[0])
         if s_q_rows > 0:
             lay, SharedStorage = shared_storage(self.d_qk, heads)
-            self.kernel_ws_slot_major(
+            # warpgroup 1 takes no dQ^T tile: mma_dq is the score warpgroup's alone
+            self.kernel_ws(
                 q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc, softmax_scale,
-                *(lay[name] for name in LAYOUT_ORDER), row_copy, mma_s, mma_dq, mma_kv,
+                *(lay[name] for name in LAYOUT_ORDER), row_copy, mma_s, mma_dq, mma_dq, mma_kv,
                 SharedStorage).launch(grid=[s_q_rows, 1, 1], block=[THREADS, 1, 1],
                                       smem=SharedStorage.size_in_bytes(), stream=stream)
 
     # ---------------------------------------------------------------------------------------
-    # Device side
+    # Device side (the entry is :meth:`SparseMlaBwdWs.kernel_ws`)
     # ---------------------------------------------------------------------------------------
 
-    @cute.kernel
-    def kernel_ws_slot_major(self, m_q: cute.Tensor, m_kv: cute.Tensor, m_do: cute.Tensor,
-                             m_idx: cute.Tensor, m_len: cute.Tensor, m_lse: cute.Tensor,
-                             m_delta: cute.Tensor, m_dq: cute.Tensor, m_dkv: cute.Tensor,
-                             softmax_scale: Float32, s_q_layout: cute.ComposedLayout,
-                             s_do_layout: cute.ComposedLayout, s_kv_layout: cute.ComposedLayout,
-                             s_p_layout: cute.ComposedLayout, s_qt_layout: cute.ComposedLayout,
-                             s_dot_layout: cute.ComposedLayout, s_kt_layout: cute.ComposedLayout,
-                             s_pt_layout: cute.ComposedLayout, row_copy: cute.TiledCopy,
-                             mma_s: cute.TiledMma, mma_dq: cute.TiledMma,
-                             mma_kv: cute.TiledMma, SharedStorage: cutlass.Constexpr) -> None:
-        heads = self.heads
-        tidx, _, _ = cute.arch.thread_idx()
-        t, _, _ = cute.arch.block_idx()
-        wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
-        wtid = tidx % WG_THREADS
-        topk = cute.size(m_idx, mode=[1])
-        n_slots = topk
-        if cutlass.const_expr(self.compact):
-            n_slots = cutlass.max(cutlass.min(m_len[t], topk), Int32(0))
-        n_blocks = (n_slots + BLOCK_N - 1) // BLOCK_N
-
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
-        sm = ws_smem_views(storage, (s_q_layout, s_do_layout, s_kv_layout, s_p_layout,
-                                     s_qt_layout, s_dot_layout, s_kt_layout, s_pt_layout), heads)
-        s_q, s_do, s_kv_t = sm["q"], sm["do"], sm["kv"]
-
-        # ---- q (warpgroup 0), dout (warpgroup 1) -> shared; lse, delta; block 0's gather ----
+    @cute.jit
+    def load_query_row(self, t: Int32, hb: Int32, m_q: cute.Tensor, m_do: cute.Tensor,
+                       m_lse: cute.Tensor, m_delta: cute.Tensor, sm: dict,
+                       row_copy: cute.TiledCopy, tidx: Int32, wtid: Int32, wg: Int32) -> None:
+        """``q`` by warpgroup 0, ``dout`` by warpgroup 1 (``cp.async``, 16 rows a pass), and
+        row ``t``'s ``lse`` (base 2) and ``delta`` (no commit)."""
         thr_row = row_copy.get_slice(wtid)
         if wg == 0:
-            cute.copy(row_copy, thr_row.partition_S(m_q[t, None, None]), thr_row.partition_D(s_q))
+            cute.copy(row_copy, thr_row.partition_S(m_q[t, None, None]),
+                      thr_row.partition_D(sm["q"]))
         else:
             cute.copy(row_copy, thr_row.partition_S(m_do[t, None, None]),
-                      thr_row.partition_D(s_do))
-        if tidx < heads:
+                      thr_row.partition_D(sm["do"]))
+        if tidx < self.heads:
             sm["lse"][tidx] = m_lse[t, tidx] * Float32(LOG2E)
             sm["delta"][tidx] = m_delta[t, tidx]
-        cute.arch.cp_async_commit_group()
-        gather_args = self.kv_gather_args(m_kv, s_kv_t, sm["idx"], sm["valid"],
-                                          wtid // (TILE // VEC), wtid)
-        if wg == 0:
-            self.gather_first(n_blocks, t, m_idx, n_slots, gather_args)
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.fence_view_async_shared()  # cp.async / zero-fill writes -> wgmma reads
-        cute.arch.barrier()
-
-        if wg == 0:
-            self.slot_major_score_warpgroup(t, n_blocks, n_slots, m_idx, m_dq, softmax_scale, sm,
-                                 gather_args, mma_s, mma_dq, wtid)
-        else:
-            self.dkv_warpgroup(t, Int32(0), n_blocks, topk, m_dq, m_dkv, sm, mma_dq, mma_kv,
-                               wtid)
 
     @cute.jit
-    def slot_major_score_warpgroup(self, t: Int32, n_blocks: Int32, n_slots: Int32,
-                                   m_idx: cute.Tensor, m_dq: cute.Tensor, softmax_scale: Float32,
-                                   sm: dict, gather_args: list, mma_s: cute.TiledMma,
-                                   mma_dq: cute.TiledMma, wtid: Int32) -> None:
+    def score_warpgroup(self, t: Int32, hb: Int32, n_blocks: Int32, n_slots: Int32,
+                        m_idx: cute.Tensor, m_dq: cute.Tensor, softmax_scale: Float32, sm: dict,
+                        gather_args: list, mma_s: cute.TiledMma, mma_dq: cute.TiledMma,
+                        wtid: Int32) -> None:
         """Warpgroup 0 over the row's blocks: the gathers, ``S^T``, ``dP^T``, ``P``, ``dS`` and
-        every ``dQ^T`` tile; stores ``dq`` at the end."""
+        every ``dQ^T`` tile; stores ``dq`` at the end (``hb`` is 0: one CTA a row)."""
         d = self.d_qk
         heads = self.heads
         n_tiles = d // TILE
