@@ -142,6 +142,27 @@ def shared_storage(d_qk: int, heads: int) -> tuple[dict[str, cute.ComposedLayout
     return lay, SharedStorage
 
 
+def slot_major_tiled_ops(heads: int) -> tuple[cute.TiledCopy, cute.TiledMma, cute.TiledMma]:
+    """The copy and MMAs of the slot-major orientation (call while tracing): ``row_copy``, one
+    warpgroup's ``q`` or ``dout`` rows into shared memory (16 rows x 64 columns a pass, 16-byte
+    ``cp.async``); ``mma_s``, ``S^T`` / ``dP^T`` (64 slots, H) with A = the KV rows (K-major), B =
+    ``q`` / ``dout`` (K-major); ``mma_dq``, ``dQ^T`` (64 rows of D, H) with A = the KV tile viewed
+    (D, slots) (MN-major), B = ``dS`` (K-major)."""
+    g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                              BFloat16, num_bits_per_copy=128)
+    vecs = TILE // VEC
+    row_copy = cute.make_tiled_copy_tv(
+        g2s, cute.make_layout((WG_THREADS // vecs, vecs), stride=(vecs, 1)),
+        cute.make_layout((1, VEC)))
+    mma_s = sm90_utils.make_trivial_tiled_mma(
+        BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+        Float32, (1, 1, 1), (WG_SLOTS, heads))
+    mma_dq = sm90_utils.make_trivial_tiled_mma(
+        BFloat16, BFloat16, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.K,
+        Float32, (1, 1, 1), (TILE, heads))
+    return row_copy, mma_s, mma_dq
+
+
 @cute.jit
 def softmax_grad_slot_major(acc_s: cute.Tensor, acc_dp: cute.Tensor, coords: cute.Tensor,
                             s_valid: cute.Tensor, first: Int32, s_lse: cute.Tensor,
@@ -190,21 +211,7 @@ class SparseMlaBwdSlotMajor(SparseMlaBwdMain):
                stream: cuda.CUstream) -> None:
         d = self.d_qk
         heads = self.heads
-        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                  BFloat16, num_bits_per_copy=128)
-        vecs = TILE // VEC
-        # q (warpgroup 0) and dout (warpgroup 1): 16 rows x 64 columns per pass
-        row_copy = cute.make_tiled_copy_tv(
-            g2s, cute.make_layout((WG_THREADS // vecs, vecs), stride=(vecs, 1)),
-            cute.make_layout((1, VEC)))
-        # S^T / dP^T: (64 slots, H), A = KV rows (K-major), B = q / dout (K-major)
-        mma_s = sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            Float32, (1, 1, 1), (WG_SLOTS, heads))
-        # dQ^T: (64 rows of D, H), A = KV tile viewed (D, slots) (MN-major), B = dS (K-major)
-        mma_dq = sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.K,
-            Float32, (1, 1, 1), (TILE, heads))
+        row_copy, mma_s, mma_dq = slot_major_tiled_ops(heads)
         # dKV: (64 slots, 64 columns), A = dS^T / P^T in registers, B = q / dout viewed (D, H)
         mma_kv = sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
@@ -442,4 +449,5 @@ def compile_bwd_slot_major(arch: str, d_qk: int, heads: int, layout: str, atomic
 __all__ = ["HEADS", "IMPL", "SparseMlaBwdSlotMajor", "SparseMlaBwdSlotMajorCompact",
            "SparseMlaBwdSlotMajorCompactDeterministic", "SparseMlaBwdSlotMajorNoncompact",
            "SparseMlaBwdSlotMajorNoncompactDeterministic", "can_implement", "check_params",
-           "compile_bwd_slot_major", "slot_major_smem_layouts", "softmax_grad_slot_major"]
+           "compile_bwd_slot_major", "slot_major_smem_layouts", "slot_major_tiled_ops",
+           "softmax_grad_slot_major"]

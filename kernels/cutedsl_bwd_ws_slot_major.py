@@ -57,7 +57,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import hopper_helpers as sm90_utils
 
 from dsa_aot.kernels import cutedsl_bwd_main as main
@@ -67,7 +67,8 @@ from dsa_aot.kernels.cutedsl_bwd_main import (LOG2E, DeterministicCompactEntry,
                                               SparseMlaBwdMainCompact,
                                               SparseMlaBwdMainNoncompact, fake_arguments,
                                               score_gemms)
-from dsa_aot.kernels.cutedsl_bwd_slot_major import softmax_grad_slot_major
+from dsa_aot.kernels.cutedsl_bwd_slot_major import (slot_major_tiled_ops,
+                                                    softmax_grad_slot_major)
 from dsa_aot.kernels.cutedsl_bwd_ws import (BAR_PDS_EMPTY, BAR_PDS_FULL, BAR_SCORE, BLOCK_N,
                                             LAYOUT_ORDER, THREADS, TILE, WG_THREADS,
                                             SparseMlaBwdWs)
@@ -137,21 +138,8 @@ class SparseMlaBwdWsSlotMajor(SparseMlaBwdWs):
                dq: cute.Tensor, dkv_acc: cute.Tensor, softmax_scale: Float32,
                stream: cuda.CUstream) -> None:
         heads = self.heads
-        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                  BFloat16, num_bits_per_copy=128)
-        vecs = TILE // VEC
-        # q (warpgroup 0) and dout (warpgroup 1): 16 rows x 64 columns per pass
-        row_copy = cute.make_tiled_copy_tv(
-            g2s, cute.make_layout((WG_THREADS // vecs, vecs), stride=(vecs, 1)),
-            cute.make_layout((1, VEC)))
-        # S^T / dP^T: (64 slots, H), A = the KV tile (K-major), B = q / dout (K-major)
-        mma_s = sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            Float32, (1, 1, 1), (BLOCK_N, heads))
-        # dQ^T: (64 rows of D, H), A = the KV tile viewed (D, slots) (MN-major), B = dS (K-major)
-        mma_dq = sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.K,
-            Float32, (1, 1, 1), (TILE, heads))
+        # q / dout rows by one warpgroup each; S^T / dP^T (64 slots, H); dQ^T (64 rows of D, H)
+        row_copy, mma_s, mma_dq = slot_major_tiled_ops(heads)
         # dKV chunk: (64 slots, 64 columns), A = dS^T / P^T (MN-major views of the [H, slots]
         # tiles), B = q / dout viewed (columns, heads) (MN-major)
         mma_kv = sm90_utils.make_trivial_tiled_mma(
