@@ -1022,7 +1022,9 @@ def compile_bwd_main(arch: str, d_qk: int, heads: int, layout: str, atomic_width
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: this module builds {IMPLS}; impl='wgmma_slot_major' is "
                          "dsa_aot.kernels.cutedsl_bwd_slot_major.compile_bwd_slot_major, "
-                         "impl='wgmma_ws' dsa_aot.kernels.cutedsl_bwd_ws.compile_bwd_ws")
+                         "impl='wgmma_ws' dsa_aot.kernels.cutedsl_bwd_ws.compile_bwd_ws, "
+                         "impl='wgmma_ws_slot_major' dsa_aot.kernels.cutedsl_bwd_ws_slot_major."
+                         "compile_bwd_ws_slot_major")
     if impl == "wgmma" and arch != "sm_90a":
         raise ValueError(f"impl='wgmma' needs sm_90a, not {arch}; use impl='mma'")
     if deterministic:
@@ -1036,7 +1038,27 @@ def compile_bwd_main(arch: str, d_qk: int, heads: int, layout: str, atomic_width
     return compiled, fakes
 
 
+def compile_flavour(entries: dict[tuple[bool, str], type], module_impl: str, check,
+                    arch: str, d_qk: int, heads: int, layout: str, atomic_width: int,
+                    scatter: bool, impl: str, extra_options: str,
+                    deterministic: bool) -> tuple[object, dict[str, object]]:
+    """``cute.compile`` the entry class ``entries[deterministic, layout]`` of a flavour module
+    whose flavour is ``module_impl``: refuses another ``impl``, then parameters that
+    ``check(d_qk, heads, layout, arch)`` refuses. Returns the compiled function and the fake
+    arguments it was compiled with."""
+    if impl != module_impl:
+        raise ValueError(f"impl={impl!r}: this module builds impl={module_impl!r}; "
+                         "compile_bwd_main builds the others")
+    check(d_qk, heads, layout, arch)
+    fakes = fake_arguments(d_qk, heads, layout, deterministic)
+    kernel = entries[deterministic, layout](d_qk, heads, layout, atomic_width=atomic_width,
+                                            scatter=scatter, deterministic=deterministic)
+    compiled = cute.compile(kernel, *fakes.values(),
+                            options=f"--gpu-arch {arch} {extra_options}".strip())
+    return compiled, fakes
+
+
 __all__ = ["DeterministicCompactEntry", "DeterministicNoncompactEntry", "SparseMlaBwdMain",
            "SparseMlaBwdMainCompact", "SparseMlaBwdMainNoncompact",
-           "can_implement", "check_params", "compile_bwd_main", "fake_arguments",
-           "wgmma_smem_layouts"]
+           "can_implement", "check_params", "compile_bwd_main", "compile_flavour",
+           "fake_arguments", "wgmma_smem_layouts"]

@@ -64,8 +64,8 @@ from cutlass.utils import hopper_helpers as sm90_utils
 from dsa_aot.kernels import cutedsl_bwd_main as main
 from dsa_aot.kernels.cutedsl_bwd_main import (LOG2E, DeterministicCompactEntry,
                                               DeterministicNoncompactEntry, SparseMlaBwdMain,
-                                              SparseMlaBwdMainCompact,
-                                              SparseMlaBwdMainNoncompact, fake_arguments)
+                                              SparseMlaBwdMainCompact, SparseMlaBwdMainNoncompact,
+                                              compile_flavour)
 from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, LAYOUTS, VEC, wg_acc_as_a,
                                             wg_rows_cols)
 
@@ -429,21 +429,12 @@ def compile_bwd_slot_major(arch: str, d_qk: int, heads: int, layout: str, atomic
     import). Returns the compiled function and the fake arguments (those of
     :func:`~dsa_aot.kernels.cutedsl_bwd_main.fake_arguments`) it was compiled with. ``impl`` is
     the build's flavour name, which must be this module's."""
-    if impl != IMPL:
-        raise ValueError(f"impl={impl!r}: this module builds impl={IMPL!r}; "
-                         "compile_bwd_main builds the others")
-    check_params(d_qk, heads, layout, arch)
-    fakes = fake_arguments(d_qk, heads, layout, deterministic)
-    cls = {(False, "compact"): SparseMlaBwdSlotMajorCompact,
-           (False, "noncompact"): SparseMlaBwdSlotMajorNoncompact,
-           (True, "compact"): SparseMlaBwdSlotMajorCompactDeterministic,
-           (True, "noncompact"): SparseMlaBwdSlotMajorNoncompactDeterministic}[deterministic,
-                                                                                layout]
-    kernel = cls(d_qk, heads, layout, atomic_width=atomic_width, scatter=scatter,
-                 deterministic=deterministic)
-    compiled = cute.compile(kernel, *fakes.values(),
-                            options=f"--gpu-arch {arch} {extra_options}".strip())
-    return compiled, fakes
+    entries = {(False, "compact"): SparseMlaBwdSlotMajorCompact,
+               (False, "noncompact"): SparseMlaBwdSlotMajorNoncompact,
+               (True, "compact"): SparseMlaBwdSlotMajorCompactDeterministic,
+               (True, "noncompact"): SparseMlaBwdSlotMajorNoncompactDeterministic}
+    return compile_flavour(entries, IMPL, check_params, arch, d_qk, heads, layout, atomic_width,
+                           scatter, impl, extra_options, deterministic)
 
 
 __all__ = ["HEADS", "IMPL", "SparseMlaBwdSlotMajor", "SparseMlaBwdSlotMajorCompact",

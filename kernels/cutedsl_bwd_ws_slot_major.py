@@ -64,9 +64,8 @@ from dsa_aot.kernels import cutedsl_bwd_main as main
 from dsa_aot.kernels import cutedsl_bwd_ws as ws
 from dsa_aot.kernels.cutedsl_bwd_main import (LOG2E, DeterministicCompactEntry,
                                               DeterministicNoncompactEntry, SparseMlaBwdMain,
-                                              SparseMlaBwdMainCompact,
-                                              SparseMlaBwdMainNoncompact, fake_arguments,
-                                              score_gemms)
+                                              SparseMlaBwdMainCompact, SparseMlaBwdMainNoncompact,
+                                              compile_flavour, score_gemms)
 from dsa_aot.kernels.cutedsl_bwd_slot_major import (slot_major_tiled_ops,
                                                     softmax_grad_slot_major)
 from dsa_aot.kernels.cutedsl_bwd_ws import (BAR_PDS_EMPTY, BAR_PDS_FULL, BAR_SCORE, BLOCK_N,
@@ -290,21 +289,12 @@ def compile_bwd_ws_slot_major(arch: str, d_qk: int, heads: int, layout: str,
     Returns the compiled function and the fake arguments (those of
     :func:`~dsa_aot.kernels.cutedsl_bwd_main.fake_arguments`) it was compiled with. ``impl`` is
     the build's flavour name, which must be this module's."""
-    if impl != IMPL:
-        raise ValueError(f"impl={impl!r}: this module builds impl={IMPL!r}; "
-                         "compile_bwd_main builds the others")
-    check_params(d_qk, heads, layout, arch)
-    fakes = fake_arguments(d_qk, heads, layout, deterministic)
-    cls = {(False, "compact"): SparseMlaBwdWsSlotMajorCompact,
-           (False, "noncompact"): SparseMlaBwdWsSlotMajorNoncompact,
-           (True, "compact"): SparseMlaBwdWsSlotMajorCompactDeterministic,
-           (True, "noncompact"): SparseMlaBwdWsSlotMajorNoncompactDeterministic}[deterministic,
-                                                                                  layout]
-    kernel = cls(d_qk, heads, layout, atomic_width=atomic_width, scatter=scatter,
-                 deterministic=deterministic)
-    compiled = cute.compile(kernel, *fakes.values(),
-                            options=f"--gpu-arch {arch} {extra_options}".strip())
-    return compiled, fakes
+    entries = {(False, "compact"): SparseMlaBwdWsSlotMajorCompact,
+               (False, "noncompact"): SparseMlaBwdWsSlotMajorNoncompact,
+               (True, "compact"): SparseMlaBwdWsSlotMajorCompactDeterministic,
+               (True, "noncompact"): SparseMlaBwdWsSlotMajorNoncompactDeterministic}
+    return compile_flavour(entries, IMPL, check_params, arch, d_qk, heads, layout, atomic_width,
+                           scatter, impl, extra_options, deterministic)
 
 
 __all__ = ["HEADS", "IMPL", "SparseMlaBwdWsSlotMajor", "SparseMlaBwdWsSlotMajorCompact",
