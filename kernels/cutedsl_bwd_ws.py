@@ -397,30 +397,29 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         n_chunks = d // TILE
         n_v_chunks = D_V // TILE
         lane = cute.arch.lane_idx()
-        # without dQ tiles, mma_dq is the score warpgroup's alone (a TiledMma's fields are traced
-        # values: set in both branches of the warpgroup split, they would escape one of them)
-        if cutlass.const_expr(n_dq > 0):
-            mma_dq.set(warpgroup.Field.ACCUMULATE, True)
-            wg_dq = mma_dq.get_slice(0)
         wg_kv = mma_kv.get_slice(0)
-        if cutlass.const_expr(n_dq > 0):
-            r_ds = mma_dq.make_fragment_A(wg_dq.partition_A(sm["ds"]))   # (MMA, 1, 4)
-        r_kt = [mma_dq.make_fragment_B(wg_dq.partition_B(                 # (MMA, 1, 4) each
-            cute.local_tile(sm["kt"], (TILE, BLOCK_N), (self.score_dq_tiles + i, 0))))
-            for i in range(n_dq)]
         r_dst = mma_kv.make_fragment_A(wg_kv.partition_A(sm["dst"]))  # (MMA, 1, heads/16)
         r_pt = mma_kv.make_fragment_A(wg_kv.partition_A(sm["pt"]))    # (MMA, 1, heads/16)
         r_qt = [mma_kv.make_fragment_B(wg_kv.partition_B(
             cute.local_tile(sm["qt"], (TILE, heads), (c, 0)))) for c in range(n_chunks)]
         r_dot = [mma_kv.make_fragment_B(wg_kv.partition_B(
             cute.local_tile(sm["dot"], (TILE, heads), (c, 0)))) for c in range(n_v_chunks)]
-        if cutlass.const_expr(n_dq > 0):
-            thr_dq = mma_dq.get_slice(wtid)
         thr_kv = mma_kv.get_slice(wtid)
-        acc_dq = [cute.make_rmem_tensor(thr_dq.partition_shape_C((BLOCK_H, TILE)), Float32)
-                  for _ in range(n_dq)]
-        for i in cutlass.range_constexpr(n_dq):
-            acc_dq[i].fill(0.0)
+        # without dQ tiles mma_dq is left alone: it is the score warpgroup's (a TiledMma's fields
+        # are traced values; set in both branches of the warpgroup split, they escape one)
+        acc_dq = []
+        if cutlass.const_expr(n_dq > 0):
+            mma_dq.set(warpgroup.Field.ACCUMULATE, True)
+            wg_dq = mma_dq.get_slice(0)
+            r_ds = mma_dq.make_fragment_A(wg_dq.partition_A(sm["ds"]))   # (MMA, 1, 4)
+            r_kt = [mma_dq.make_fragment_B(wg_dq.partition_B(             # (MMA, 1, 4) each
+                cute.local_tile(sm["kt"], (TILE, BLOCK_N), (self.score_dq_tiles + i, 0))))
+                for i in range(n_dq)]
+            thr_dq = mma_dq.get_slice(wtid)
+            acc_dq = [cute.make_rmem_tensor(thr_dq.partition_shape_C((BLOCK_H, TILE)), Float32)
+                      for _ in range(n_dq)]
+            for i in cutlass.range_constexpr(n_dq):
+                acc_dq[i].fill(0.0)
         kv_shape = thr_kv.partition_shape_C((BLOCK_N, TILE))
         kv_coords = wg_rows_cols(thr_kv.partition_C(cute.make_identity_tensor((BLOCK_N, TILE))))
         k_steps = heads // 16
