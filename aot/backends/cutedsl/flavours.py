@@ -4,7 +4,7 @@ serving path reads it to find a spec's kernel sources)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 Arch = Literal["sm_90a", "sm_100a"]
 CuteKernel = Literal["bwd_preprocess", "bwd_postprocess", "fwd", "bwd_main"]
@@ -15,9 +15,8 @@ FwdImpl = Literal["mma", "wgmma", "wgmma_pipe", "wgmma_ws", "wgmma_split"]
 #: wgmma kernel with a score and a dKV warpgroup (sm_90a, heads in :data:`BWD_WS_HEADS`), and the
 #: slot-major kernel with the same two roles (sm_90a, heads in :data:`BWD_SLOT_MAJOR_HEADS`).
 BwdMainImpl = Literal["mma", "wgmma", "wgmma_slot_major", "wgmma_ws", "wgmma_ws_slot_major"]
-#: Every backward main flavour (the order of :data:`BwdMainImpl`).
-BWD_MAIN_IMPLS: tuple[str, ...] = ("mma", "wgmma", "wgmma_slot_major", "wgmma_ws",
-                                   "wgmma_ws_slot_major")
+#: Every backward main flavour, in the order of :data:`BwdMainImpl`.
+BWD_MAIN_IMPLS: tuple[str, ...] = get_args(BwdMainImpl)
 #: Head counts of ``impl=wgmma_slot_major`` (``dsa_aot.kernels.cutedsl_bwd_slot_major.HEADS``).
 BWD_SLOT_MAJOR_HEADS: tuple[int, ...] = (16, 32)
 #: Head counts of ``impl=wgmma_ws`` (``dsa_aot.kernels.cutedsl_bwd_ws.HEADS``).
