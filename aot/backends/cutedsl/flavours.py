@@ -53,12 +53,18 @@ FWD_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma_split", "sm_100a": "mma"}
 #: The backward main stage's MMA flavour per arch when a request names none: wgmma on sm_90a
 #: (faster than mma on every benchmark row on the H200, bench/results/h200.md).
 BWD_MAIN_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma", "sm_100a": "mma"}
-#: ... except at these (arch, heads): the slot-major kernel at H16/H32 (its MMAs multiply no
-#: padded heads) and the kernel with a score and a dKV warpgroup at H64/H128 (its atomics run
-#: beside the next block's score GEMMs: 0.83 -> 0.99x the cuDNN frontend at H64 D576).
+#: ... except at these (arch, heads): the slot-major kernel with a score and a dKV warpgroup at
+#: H16/H32 (its MMAs multiply no padded heads and its atomics run beside the next block's score
+#: GEMMs: 1.05 -> 1.15x the cuDNN frontend at H32 D576) and the head-major kernel with the same
+#: two roles at H64/H128 (0.83 -> 0.99x at H64 D576); bench/results/h200_bwd_versions.md.
 BWD_MAIN_DEFAULT_IMPL_BY_HEADS: dict[tuple[str, int], str] = {
-    ("sm_90a", 16): "wgmma_slot_major", ("sm_90a", 32): "wgmma_slot_major",
+    ("sm_90a", 16): "wgmma_ws_slot_major", ("sm_90a", 32): "wgmma_ws_slot_major",
     ("sm_90a", 64): "wgmma_ws", ("sm_90a", 128): "wgmma_ws"}
+#: ... and in the deterministic mode, where no atomics are left to hide: the slot-major kernel
+#: at H16/H32, whose two warpgroups share every phase (main kernel 4.59 vs 5.29 ms at H32 D576,
+#: bench/results/h200_bwd_versions.md).
+BWD_MAIN_DETERMINISTIC_DEFAULT_IMPL_BY_HEADS: dict[tuple[str, int], str] = {
+    ("sm_90a", 16): "wgmma_slot_major", ("sm_90a", 32): "wgmma_slot_major"}
 
 
 #: The backward main flavours with a deterministic mode (stored per-slot dkv rows), sm_90a only.
@@ -67,9 +73,12 @@ DETERMINISTIC_BWD_MAIN_IMPLS: tuple[str, ...] = ("wgmma_ws", "wgmma_slot_major",
 
 
 def bwd_main_default_impl(arch: str, heads: int | None, deterministic: bool = False) -> str:
-    """The backward main stage's flavour when a request names none (the deterministic variant
-    is the same kernel as the fast one, in its deterministic mode)."""
-    return BWD_MAIN_DEFAULT_IMPL_BY_HEADS.get((arch, heads or 0), BWD_MAIN_DEFAULT_IMPL[arch])
+    """The backward main stage's flavour when a request names none: per arch and heads, and
+    for the deterministic mode the flavour measured fastest without atomics."""
+    key = (arch, heads or 0)
+    if deterministic and key in BWD_MAIN_DETERMINISTIC_DEFAULT_IMPL_BY_HEADS:
+        return BWD_MAIN_DETERMINISTIC_DEFAULT_IMPL_BY_HEADS[key]
+    return BWD_MAIN_DEFAULT_IMPL_BY_HEADS.get(key, BWD_MAIN_DEFAULT_IMPL[arch])
 
 
 def kernel_entry(stage: str, impl: str | None) -> tuple[str, str]:

@@ -116,7 +116,7 @@ def test_specs_without_a_flavour_at_its_heads(heads: int) -> None:
 @pytest.mark.parametrize("kwargs,fragment", [
     ({"arch": "sm_100a"}, "impl=wgmma_ws needs sm_90a, not sm_100a"),
     ({"heads": 16}, r"impl=wgmma_ws supports heads \(64, 128\), not heads=16; "
-                    r"use impl=wgmma_slot_major \(or leave impl unset\)"),
+                    r"use impl=wgmma_ws_slot_major \(or leave impl unset\)"),
     ({"heads": 32}, r"supports heads \(64, 128\), not heads=32"),
 ])
 def test_what_the_flavour_cannot_build_is_refused(kwargs: dict, fragment: str) -> None:

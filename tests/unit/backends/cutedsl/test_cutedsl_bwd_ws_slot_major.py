@@ -1,15 +1,16 @@
 """The slot-major CuTe DSL backward with a score and a dKV warpgroup (``impl=wgmma_ws_slot_major``,
 sm_90a, H 16 / 32) on CPU.
 
-A ``tile.flavour = "wgmma_ws_slot_major"`` bwd spec becomes the main stage's impl, names its
-artifact apart from the default (``wgmma_slot_major`` at H16 / H32) and keys its build on the
-flavour's module; a deterministic spec may name it too. Requests, specs, catalogs and the kernel
+The flavour is the fast mode's default at H16 / H32 on sm_90a (the deterministic mode's default
+there is ``wgmma_slot_major``). A ``tile.flavour = "wgmma_ws_slot_major"`` bwd spec becomes the
+main stage's impl, its artifact is named as the default's in the fast mode and apart from it in
+the deterministic one, and its build is keyed on the flavour's module. Requests, specs, catalogs and the kernel
 module refuse other archs and other head counts by name, and ``compile_bwd_main`` refuses to build
 the flavour. The shared-memory views the kernel reads as MN-major operands alias its K-major
 tiles byte for byte, and one CTA's shared memory fits the 227 KiB of an sm_90a CTA. Four fast and
 two deterministic variants (both D, both H, both layouts) compile, export and link for sm_90a
 through :func:`dsa_aot.backends.cutedsl.build.build_cutedsl`: their records and C ABI equal the
-default flavour's (same arguments, same descriptors), a fresh process opens them without
+slot-major flavour's (same arguments, same descriptors), a fresh process opens them without
 ``cutlass``, and the embedded cubins spill nothing (no local memory) within 255 registers.
 Numerics: ``tests/unit/backends/cutedsl/test_cutedsl_bwd_main_kernel.py -m gpu``
 (``DSA_AOT_GPU_TEST_IMPLS=wgmma_ws_slot_major``), not here.
@@ -48,7 +49,7 @@ _needs_dsl = pytest.mark.skipif(not _HAS_DSL, reason="needs nvidia-cutlass-dsl t
 VARIANTS = [(576, 32, "compact", False), (512, 16, "noncompact", False),
             (576, 16, "noncompact", False), (512, 32, "compact", False),
             (576, 32, "noncompact", True), (512, 16, "compact", True)]
-#: the default-flavour builds whose records the new ones must equal
+#: the slot-major builds whose records (C ABI) the new ones must equal
 TWINS = [(576, 32, "compact", False), (576, 32, "noncompact", True)]
 SMEM_LIMIT = 227 * 1024
 MAX_REGS = 255
@@ -92,8 +93,11 @@ def test_the_build_is_keyed_on_the_flavours_module() -> None:
     assert {"dsa_aot/kernels/cutedsl_bwd_ws_slot_major.py",
             "dsa_aot/kernels/cutedsl_bwd_slot_major.py",
             "dsa_aot/kernels/cutedsl_bwd_main.py"} <= set(sources)
-    assert "dsa_aot/kernels/cutedsl_bwd_ws_slot_major.py" not in module_sources(
-        backend.source_modules(_spec(32, flavour=None)))
+    # the fast mode's default at H32; the deterministic mode's default is the slot-major kernel
+    assert backend.kernel_sources(_spec(32, flavour=None)) == backend.kernel_sources(_spec(32))
+    for other in (_spec(32, flavour="wgmma_slot_major"), _spec(32, flavour=None, deterministic=True)):
+        assert "dsa_aot/kernels/cutedsl_bwd_ws_slot_major.py" not in module_sources(
+            backend.source_modules(other))
 
 
 @pytest.mark.parametrize("kwargs,fragment", [
@@ -220,7 +224,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[tuple, C
         pytest.skip("needs nvidia-cutlass-dsl to compile")
     out = tmp_path_factory.mktemp("ws_slot_major")
     requests = [_request(*v) for v in VARIANTS]
-    requests += [_request(*v, flavour=bwd_main_default_impl("sm_90a", v[1])) for v in TWINS]
+    requests += [_request(*v, flavour="wgmma_slot_major") for v in TWINS]
     return out, {(r.d_qk, r.heads, r.layout, r.deterministic, r.impl): r
                  for r in build_cutedsl(requests, out)}
 
@@ -232,14 +236,16 @@ def test_every_variant_builds_with_the_default_flavours_abi(
     for d_qk, heads, layout, det in VARIANTS:
         rec = records[d_qk, heads, layout, det, IMPL]
         assert (rec.kernel, rec.arch) == ("bwd_main", "sm_90a")
-        # named apart from the default flavour's artifact of the same variant
-        assert rec.name == (f"cutedsl_bwd_main_sm_90a_d{d_qk}_h{heads}_{layout}_{IMPL}"
+        # the default's name in the fast mode, named apart in the deterministic mode
+        suffix = "" if bwd_main_default_impl("sm_90a", heads, det) == IMPL else f"_{IMPL}"
+        assert suffix == ("_" + IMPL if det else "")
+        assert rec.name == (f"cutedsl_bwd_main_sm_90a_d{d_qk}_h{heads}_{layout}{suffix}"
                             + ("_det" if det else "") + "_static")
         header = (out / rec.name / rec.header).read_text()
         assert f"void *args[{len(rec.args) + 1}] = {{" in header
     for v in TWINS:
         twin = records[(*v, "wgmma_slot_major")]
-        assert twin.name == records[(*v, IMPL)].name.replace(f"_{IMPL}", "")
+        assert twin.name != records[(*v, IMPL)].name
         assert records[(*v, IMPL)].args == twin.args
 
 
