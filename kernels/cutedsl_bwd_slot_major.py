@@ -42,7 +42,8 @@ only by ``S^T``, ``dP^T`` and ``dQ^T``: once both warpgroups are past ``dQ^T`` t
 chunk GEMMs and their atomics run. Not chosen: one warpgroup per CTA over 64-slot blocks (two
 CTAs per SM at H 16, but 144 dQ accumulator registers a thread at H 32, and half the warps).
 
-Status: the sm_90a default at H16/H32, checked on the H200 by the GPU suites (fast and
+Status: the sm_90a deterministic mode's default at H16/H32 (opt-in in the fast mode, where
+:mod:`.cutedsl_bwd_ws_slot_major` is faster), checked on the H200 by the GPU suites (fast and
 deterministic modes) and timed by ``bench/`` (``bench/results/h200_bwd_versions.md``).
 
 Deterministic mode (``deterministic=True``): each valid slot's dKV row is stored (bf16) into

@@ -45,8 +45,10 @@ tiles at H 32 D 576), one CTA of two warpgroups per SM (registers: 198-236 a thr
 Deterministic mode (``deterministic=True``): each valid slot's dKV row is stored (bf16) into
 ``dkv_rows`` [s_q * topk, 1, D] instead of added atomically, as in :mod:`.cutedsl_bwd_ws`.
 
-Status: built and checked on the CPU (compile, ``ptxas``); opt-in until the H200 has measured it
-against ``wgmma_slot_major`` (the H16/H32 default).
+Status: the sm_90a fast mode's default at H16/H32 (1.15x the cuDNN frontend at H32 D576 on the
+H200, where ``wgmma_slot_major`` gives 1.05x; ``bench/results/h200_bwd_ws_slot_major.md``). Its
+deterministic mode is correct but opt-in: without atomics to hide, ``wgmma_slot_major``'s even
+split of the work is faster.
 
 This module imports ``cutlass``: use it in a build process only.
 """
