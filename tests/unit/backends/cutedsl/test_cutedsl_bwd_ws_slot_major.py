@@ -62,7 +62,7 @@ def _spec(heads: int = 32, arch: str = "sm_90a", flavour: str | None = IMPL, d_q
 
 
 def _request(d_qk: int, heads: int, layout: str, deterministic: bool,
-             flavour: str = IMPL) -> BuildRequest:
+             flavour: str | None = IMPL) -> BuildRequest:
     (request,) = requests_for(_spec(heads, flavour=flavour, d_qk=d_qk, layout=layout,
                                     deterministic=deterministic), ("bwd_main",),
                               link="static_cudart")
@@ -98,6 +98,16 @@ def test_the_build_is_keyed_on_the_flavours_module() -> None:
     for other in (_spec(32, flavour="wgmma_slot_major"), _spec(32, flavour=None, deterministic=True)):
         assert "dsa_aot/kernels/cutedsl_bwd_ws_slot_major.py" not in module_sources(
             backend.source_modules(other))
+
+
+@pytest.mark.parametrize("heads", BWD_SLOT_MAJOR_HEADS)
+def test_the_fast_mode_defaults_to_the_flavour_and_the_deterministic_mode_does_not(heads: int) -> None:
+    """A spec naming no flavour builds this kernel in the fast mode and the slot-major one in the
+    deterministic mode (faster without atomics), on sm_90a; sm_100a keeps mma."""
+    fast, det = (_request(576, heads, "noncompact", d, flavour=None) for d in (False, True))
+    assert (fast.compile_params["impl"], det.compile_params["impl"]) == (IMPL, "wgmma_slot_major")
+    assert (fast.impl, det.impl) == (None, None)  # the default: no flavour in the artifact name
+    assert bwd_main_default_impl("sm_100a", heads) == bwd_main_default_impl("sm_100a", heads, True) == "mma"
 
 
 @pytest.mark.parametrize("kwargs,fragment", [
