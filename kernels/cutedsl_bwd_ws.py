@@ -89,7 +89,7 @@ def check_params(d_qk: int, heads: int, layout: str, arch: str = "sm_90a") -> No
     main.check_params(d_qk, heads, layout)
     if heads not in HEADS:
         raise ValueError(f"heads={heads!r}: impl={IMPL!r} supports heads {HEADS}; use "
-                         "impl='wgmma_slot_major' (or leave impl unset) for fewer heads")
+                         "impl='wgmma_ws_slot_major' (or leave impl unset) for fewer heads")
     if arch != "sm_90a":
         raise ValueError(f"impl={IMPL!r} needs sm_90a, not {arch}; use impl='mma'")
 
