@@ -197,7 +197,7 @@ def test_kernel_refuses_what_it_cannot_build(tmp_path: Path) -> None:
     assert "dsa_aot.kernels.cutedsl_bwd_ws.compile_bwd_ws" in lines[0], lines[0]
     assert "needs sm_90a, not sm_100a" in lines[1]
     assert "heads=16" in lines[2] and "supports heads (64, 128)" in lines[2]
-    assert "impl='wgmma_slot_major'" in lines[2]
+    assert "impl='wgmma_ws_slot_major'" in lines[2]
     assert "heads=32" in lines[3]
     assert "atomic_width=2: the deterministic mode stores dKV rows" in lines[4]
     assert "this module builds impl='wgmma_ws'" in lines[5]
