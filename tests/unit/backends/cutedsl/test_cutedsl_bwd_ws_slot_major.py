@@ -4,9 +4,9 @@ sm_90a, H 16 / 32) on CPU.
 The flavour is the fast mode's default at H16 / H32 on sm_90a (the deterministic mode's default
 there is ``wgmma_slot_major``). A ``tile.flavour = "wgmma_ws_slot_major"`` bwd spec becomes the
 main stage's impl, its artifact is named as the default's in the fast mode and apart from it in
-the deterministic one, and its build is keyed on the flavour's module. Requests, specs, catalogs and the kernel
-module refuse other archs and other head counts by name, and ``compile_bwd_main`` refuses to build
-the flavour. The shared-memory views the kernel reads as MN-major operands alias its K-major
+the deterministic one, and its build is keyed on the flavour's module. Requests, specs, catalogs
+and the kernel module refuse other archs and other head counts by name, and ``compile_bwd_main``
+refuses to build the flavour. The shared-memory views the kernel reads as MN-major operands alias its K-major
 tiles byte for byte, and one CTA's shared memory fits the 227 KiB of an sm_90a CTA. Four fast and
 two deterministic variants (both D, both H, both layouts) compile, export and link for sm_90a
 through :func:`dsa_aot.backends.cutedsl.build.build_cutedsl`: their records and C ABI equal the
@@ -95,19 +95,21 @@ def test_the_build_is_keyed_on_the_flavours_module() -> None:
             "dsa_aot/kernels/cutedsl_bwd_main.py"} <= set(sources)
     # the fast mode's default at H32; the deterministic mode's default is the slot-major kernel
     assert backend.kernel_sources(_spec(32, flavour=None)) == backend.kernel_sources(_spec(32))
-    for other in (_spec(32, flavour="wgmma_slot_major"), _spec(32, flavour=None, deterministic=True)):
+    for other in (_spec(32, flavour="wgmma_slot_major"),
+                  _spec(32, flavour=None, deterministic=True)):
         assert "dsa_aot/kernels/cutedsl_bwd_ws_slot_major.py" not in module_sources(
             backend.source_modules(other))
 
 
 @pytest.mark.parametrize("heads", BWD_SLOT_MAJOR_HEADS)
-def test_the_fast_mode_defaults_to_the_flavour_and_the_deterministic_mode_does_not(heads: int) -> None:
+def test_only_the_fast_mode_defaults_to_the_flavour(heads: int) -> None:
     """A spec naming no flavour builds this kernel in the fast mode and the slot-major one in the
     deterministic mode (faster without atomics), on sm_90a; sm_100a keeps mma."""
     fast, det = (_request(576, heads, "noncompact", d, flavour=None) for d in (False, True))
     assert (fast.compile_params["impl"], det.compile_params["impl"]) == (IMPL, "wgmma_slot_major")
     assert (fast.impl, det.impl) == (None, None)  # the default: no flavour in the artifact name
-    assert bwd_main_default_impl("sm_100a", heads) == bwd_main_default_impl("sm_100a", heads, True) == "mma"
+    assert (bwd_main_default_impl("sm_100a", heads)
+            == bwd_main_default_impl("sm_100a", heads, True) == "mma")
 
 
 @pytest.mark.parametrize("kwargs,fragment", [
@@ -240,15 +242,14 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[tuple, C
 
 
 @_needs_dsl
-def test_every_variant_builds_with_the_default_flavours_abi(
+def test_every_variant_builds_with_the_slot_major_abi(
         built: tuple[Path, dict[tuple, CuteExportRecord]]) -> None:
     out, records = built
     for d_qk, heads, layout, det in VARIANTS:
         rec = records[d_qk, heads, layout, det, IMPL]
         assert (rec.kernel, rec.arch) == ("bwd_main", "sm_90a")
         # the default's name in the fast mode, named apart in the deterministic mode
-        suffix = "" if bwd_main_default_impl("sm_90a", heads, det) == IMPL else f"_{IMPL}"
-        assert suffix == ("_" + IMPL if det else "")
+        suffix = f"_{IMPL}" if det else ""
         assert rec.name == (f"cutedsl_bwd_main_sm_90a_d{d_qk}_h{heads}_{layout}{suffix}"
                             + ("_det" if det else "") + "_static")
         header = (out / rec.name / rec.header).read_text()
