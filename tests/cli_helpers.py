@@ -1,12 +1,21 @@
-"""Helpers shared by the tests: run the CLI or a CuTe DSL script in a subprocess, read a cubin."""
+"""Helpers shared by the tests: run the CLI or a CuTe DSL script in a subprocess, read a cubin,
+check built CuTe DSL libraries (no spills; they open without ``cutlass``)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import struct
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
+
+import pytest
+
+#: Whether nvidia-cutlass-dsl is installed (the tests that compile CuTe DSL kernels need it).
+HAS_CUTE_DSL = importlib.util.find_spec("cutlass") is not None
+needs_cute_dsl = pytest.mark.skipif(not HAS_CUTE_DSL, reason="needs nvidia-cutlass-dsl to compile")
 
 
 def cli(*args: str, root: Path, check: bool = True,
@@ -69,3 +78,44 @@ def cubin_resources(cubin: bytes) -> dict[str, int]:
             if attr in (0x2f, 0x11):
                 found["regs" if attr == 0x2f else "frame"] = struct.unpack_from("<II", payload)[1]
     return found
+
+
+def assert_spill_free(objects: Iterable[Path], max_regs: int = 255) -> None:
+    """Each exported host object's embedded cubin uses no local memory (no spills) and between 1
+    and ``max_regs`` registers a thread."""
+    for obj in objects:
+        found = cubin_resources(embedded_cubin(Path(obj).read_bytes()))
+        assert found.get("frame") == 0 and 0 < found.get("regs", 0) <= max_regs, (str(obj), found)
+
+
+_OPEN_WITHOUT_CUTLASS = """
+import sys
+from dsa_aot.backends.cutedsl.runtime import load_kernel
+for folder in sys.argv[1:]:
+    k = load_kernel(folder)
+    print(','.join(k.tensor_names + k.scalar_names))
+assert 'cutlass' not in sys.modules and 'torch' not in sys.modules
+"""
+
+
+def open_without_cutlass(folders: Iterable[Path]) -> list[str]:
+    """Open each built CuTe DSL library folder in a fresh process through the runtime (ctypes only),
+    check that neither ``cutlass`` nor ``torch`` got imported, and return each library's
+    argument names (comma-joined, one entry a folder)."""
+    proc = subprocess.run([sys.executable, "-c", _OPEN_WITHOUT_CUTLASS, *map(str, folders)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split()
+
+
+#: Prelude of the CuTe DSL scripts that check a transposed shared-memory view: ``differ(tile,
+#: view, rows, cols)`` counts the ``(r, c)`` where ``tile((r, c)) != view((c, r))``. A layout's
+#: offset is the sum of its modes' offsets, so each mode is evaluated once (a call is slow while
+#: tracing) and the sum is checked at the far corner.
+LAYOUT_DIFFER = """
+def differ(tile, view, rows, cols):
+    t_r, t_c = [tile((r, 0)) for r in range(rows)], [tile((0, c)) for c in range(cols)]
+    v_r, v_c = [view((0, r)) for r in range(rows)], [view((c, 0)) for c in range(cols)]
+    assert tile((rows - 1, cols - 1)) == t_r[-1] + t_c[-1]
+    return sum(1 for r in range(rows) for c in range(cols) if t_r[r] + t_c[c] != v_r[r] + v_c[c])
+"""

@@ -13,14 +13,12 @@ a ``tile.flavour = "wgmma_slot_major"`` bwd spec builds through the production p
 
 from __future__ import annotations
 
-import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from cli_helpers import cubin_resources, embedded_cubin, run_dsl_script
+from cli_helpers import (HAS_CUTE_DSL, LAYOUT_DIFFER, assert_spill_free, needs_cute_dsl,
+                         open_without_cutlass, run_dsl_script)
 from dsa_aot.backends import get as get_backend
 from dsa_aot.backends.cutedsl.build import BuildRequest, build_cutedsl, requests_for
 from dsa_aot.backends.cutedsl.records import BWD_SLOT_MAJOR_HEADS, CuteExportRecord, bwd_main_default_impl
@@ -32,11 +30,6 @@ from dsa_aot.specs.toolchain import Toolchain
 IMPL = "wgmma_slot_major"
 BWD_STAGES = ("bwd_preprocess", "bwd_main", "bwd_postprocess")
 
-try:
-    _HAS_DSL = importlib.util.find_spec("cutlass") is not None
-except (ImportError, ValueError):  # pragma: no cover
-    _HAS_DSL = False
-_needs_dsl = pytest.mark.skipif(not _HAS_DSL, reason="needs nvidia-cutlass-dsl to compile")
 
 #: (d_qk, heads, layout) of every slot-major variant
 VARIANTS = [(d, h, lay) for d in (512, 576) for h in BWD_SLOT_MAJOR_HEADS
@@ -44,7 +37,6 @@ VARIANTS = [(d, h, lay) for d in (512, 576) for h in BWD_SLOT_MAJOR_HEADS
 #: wgmma builds whose records the slot-major ones must equal
 WGMMA_TWINS = [(576, 32, "compact"), (512, 16, "noncompact")]
 SMEM_LIMIT = 227 * 1024
-MAX_REGS = 255
 
 
 def _spec(heads: int = 16, arch: str = "sm_90a", flavour: str | None = IMPL, d_qk: int = 576,
@@ -142,7 +134,7 @@ for args, kw in [(('sm_100a', 576, 16, 'compact'), {}), (('sm_90a', 576, 64, 'co
 """
 
 
-@_needs_dsl
+@needs_cute_dsl
 def test_kernel_refuses_what_it_cannot_build(tmp_path: Path) -> None:
     proc = run_dsl_script(_KERNEL_CHECKS, tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
@@ -154,12 +146,9 @@ def test_kernel_refuses_what_it_cannot_build(tmp_path: Path) -> None:
     assert "atomic_width=2: the deterministic mode stores dKV rows" in lines[3]
 
 
-_VIEW_CHECK = """
+_VIEW_CHECK = LAYOUT_DIFFER + """
 import cutlass.cute as cute
 from dsa_aot.kernels import cutedsl_bwd_slot_major as k
-
-def differ(tile, view, rows, cols):
-    return sum(1 for r in range(rows) for c in range(cols) if tile((r, c)) != view((c, r)))
 
 @cute.jit
 def check():
@@ -178,7 +167,7 @@ check()
 """
 
 
-@_needs_dsl
+@needs_cute_dsl
 def test_operand_views_alias_the_tiles_and_shared_memory_fits(tmp_path: Path) -> None:
     """The MN-major views (``q_t``, ``dout_t``, ``kv_t``, ``ds_t``) address exactly the K-major
     tiles' elements, under one swizzle; one CTA's shared memory (plus the 1 KiB the compiler
@@ -195,7 +184,7 @@ def test_operand_views_alias_the_tiles_and_shared_memory_fits(tmp_path: Path) ->
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, CuteExportRecord]]:
-    if not _HAS_DSL:
+    if not HAS_CUTE_DSL:
         pytest.skip("needs nvidia-cutlass-dsl to compile")
     out = tmp_path_factory.mktemp("slot_major")
     requests = ([_request(*v) for v in VARIANTS]
@@ -203,7 +192,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Cut
     return out, {r.name: r for r in build_cutedsl(requests, out)}
 
 
-@_needs_dsl
+@needs_cute_dsl
 def test_every_variant_builds_with_the_wgmma_abi(built: tuple[Path, dict[str, CuteExportRecord]]) -> None:
     out, records = built
     for d_qk, heads, layout in VARIANTS:
@@ -222,28 +211,18 @@ def test_every_variant_builds_with_the_wgmma_abi(built: tuple[Path, dict[str, Cu
         assert records[_name(d_qk, heads, layout)].args == twin.args
 
 
-@_needs_dsl
+@needs_cute_dsl
 def test_cubins_spill_nothing(built: tuple[Path, dict[str, CuteExportRecord]]) -> None:
     """No local memory (spills) and at most 255 registers a thread (256 threads a CTA)."""
     out, records = built
-    for d_qk, heads, layout in VARIANTS:
-        rec = records[_name(d_qk, heads, layout)]
-        found = cubin_resources(embedded_cubin((out / rec.name / rec.object_file).read_bytes()))
-        assert found.get("frame") == 0 and 0 < found.get("regs", 0) <= MAX_REGS, (rec.name, found)
+    assert_spill_free(out / rec.name / rec.object_file
+                      for rec in (records[_name(*v)] for v in VARIANTS))
 
 
-@_needs_dsl
+@needs_cute_dsl
 def test_libraries_open_without_cutlass(built: tuple[Path, dict[str, CuteExportRecord]]) -> None:
-    out, records = built
-    folders = [str(out / _name(*v)) for v in VARIANTS]
-    code = ("import sys\nfrom dsa_aot.backends.cutedsl.runtime import load_kernel\n"
-            "for folder in sys.argv[1:]:\n"
-            "    k = load_kernel(folder)\n    print(','.join(k.tensor_names + k.scalar_names))\n"
-            "assert 'cutlass' not in sys.modules and 'torch' not in sys.modules\n")
-    proc = subprocess.run([sys.executable, "-c", code, *folders], capture_output=True, text=True,
-                          timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr
-    assert len(proc.stdout.split()) == len(VARIANTS)
+    out, _ = built
+    assert len(open_without_cutlass(out / _name(*v) for v in VARIANTS)) == len(VARIANTS)
 
 
 _CANNOT_BUILD = can_key_builds(get_backend("cutedsl"), Toolchain.current())

@@ -18,14 +18,12 @@ Numerics: ``tests/unit/backends/cutedsl/test_cutedsl_bwd_main_kernel.py -m gpu``
 
 from __future__ import annotations
 
-import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from cli_helpers import cubin_resources, embedded_cubin, run_dsl_script
+from cli_helpers import (HAS_CUTE_DSL, LAYOUT_DIFFER, assert_spill_free, needs_cute_dsl,
+                         open_without_cutlass, run_dsl_script)
 from dsa_aot.backends import get as get_backend
 from dsa_aot.backends.cutedsl.build import BuildRequest, build_cutedsl, requests_for
 from dsa_aot.backends.cutedsl.records import (BWD_SLOT_MAJOR_HEADS, CuteExportRecord,
@@ -38,11 +36,6 @@ IMPL = "wgmma_ws_slot_major"
 MODULE = "dsa_aot.kernels.cutedsl_bwd_ws_slot_major"
 BWD_STAGES = ("bwd_preprocess", "bwd_main", "bwd_postprocess")
 
-try:
-    _HAS_DSL = importlib.util.find_spec("cutlass") is not None
-except (ImportError, ValueError):  # pragma: no cover
-    _HAS_DSL = False
-_needs_dsl = pytest.mark.skipif(not _HAS_DSL, reason="needs nvidia-cutlass-dsl to compile")
 
 #: (d_qk, heads, layout, deterministic) of the variants built: every D, H and layout once, and
 #: the deterministic mode at the largest and the smallest register footprint
@@ -52,7 +45,6 @@ VARIANTS = [(576, 32, "compact", False), (512, 16, "noncompact", False),
 #: the slot-major builds whose records (C ABI) the new ones must equal
 TWINS = [(576, 32, "compact", False), (576, 32, "noncompact", True)]
 SMEM_LIMIT = 227 * 1024
-MAX_REGS = 255
 
 
 def _spec(heads: int = 32, arch: str = "sm_90a", flavour: str | None = IMPL, d_qk: int = 576,
@@ -176,7 +168,7 @@ for args, kw in [(('sm_100a', 576, 16, 'compact'), {}), (('sm_90a', 576, 64, 'co
 """
 
 
-@_needs_dsl
+@needs_cute_dsl
 def test_kernel_refuses_what_it_cannot_build(tmp_path: Path) -> None:
     proc = run_dsl_script(_KERNEL_CHECKS, tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout
@@ -189,12 +181,9 @@ def test_kernel_refuses_what_it_cannot_build(tmp_path: Path) -> None:
     assert "atomic_width=2: the deterministic mode stores dKV rows" in lines[4]
 
 
-_VIEW_CHECK = """
+_VIEW_CHECK = LAYOUT_DIFFER + """
 import cutlass.cute as cute
 from dsa_aot.kernels import cutedsl_bwd_ws_slot_major as k
-
-def differ(tile, view, rows, cols):
-    return sum(1 for r in range(rows) for c in range(cols) if tile((r, c)) != view((c, r)))
 
 @cute.jit
 def check():
@@ -213,7 +202,7 @@ check()
 """
 
 
-@_needs_dsl
+@needs_cute_dsl
 def test_operand_views_alias_the_tiles_and_shared_memory_fits(tmp_path: Path) -> None:
     """The MN-major views (``q_t``, ``dout_t``, ``kv_t``, ``p_t``) address exactly the K-major
     tiles' elements, under one swizzle; one CTA's shared memory (plus the 1 KiB the compiler
@@ -232,7 +221,7 @@ def test_operand_views_alias_the_tiles_and_shared_memory_fits(tmp_path: Path) ->
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[tuple, CuteExportRecord]]:
-    if not _HAS_DSL:
+    if not HAS_CUTE_DSL:
         pytest.skip("needs nvidia-cutlass-dsl to compile")
     out = tmp_path_factory.mktemp("ws_slot_major")
     requests = [_request(*v) for v in VARIANTS]
@@ -241,7 +230,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[tuple, C
                  for r in build_cutedsl(requests, out)}
 
 
-@_needs_dsl
+@needs_cute_dsl
 def test_every_variant_builds_with_the_slot_major_abi(
         built: tuple[Path, dict[tuple, CuteExportRecord]]) -> None:
     out, records = built
@@ -260,25 +249,16 @@ def test_every_variant_builds_with_the_slot_major_abi(
         assert records[(*v, IMPL)].args == twin.args
 
 
-@_needs_dsl
+@needs_cute_dsl
 def test_cubins_spill_nothing(built: tuple[Path, dict[tuple, CuteExportRecord]]) -> None:
     """No local memory (spills) and at most 255 registers a thread (256 threads a CTA)."""
     out, records = built
-    for v in VARIANTS:
-        rec = records[(*v, IMPL)]
-        found = cubin_resources(embedded_cubin((out / rec.name / rec.object_file).read_bytes()))
-        assert found.get("frame") == 0 and 0 < found.get("regs", 0) <= MAX_REGS, (rec.name, found)
+    assert_spill_free(out / rec.name / rec.object_file
+                      for rec in (records[(*v, IMPL)] for v in VARIANTS))
 
 
-@_needs_dsl
+@needs_cute_dsl
 def test_libraries_open_without_cutlass(built: tuple[Path, dict[tuple, CuteExportRecord]]) -> None:
     out, records = built
-    folders = [str(out / records[(*v, IMPL)].name) for v in VARIANTS]
-    code = ("import sys\nfrom dsa_aot.backends.cutedsl.runtime import load_kernel\n"
-            "for folder in sys.argv[1:]:\n"
-            "    k = load_kernel(folder)\n    print(','.join(k.tensor_names + k.scalar_names))\n"
-            "assert 'cutlass' not in sys.modules and 'torch' not in sys.modules\n")
-    proc = subprocess.run([sys.executable, "-c", code, *folders], capture_output=True, text=True,
-                          timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr
-    assert len(proc.stdout.split()) == len(VARIANTS)
+    names = open_without_cutlass(out / records[(*v, IMPL)].name for v in VARIANTS)
+    assert len(names) == len(VARIANTS)

@@ -16,7 +16,6 @@ spec built and published by
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import math
 import os
 import struct
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import embedded_cubin
+from cli_helpers import HAS_CUTE_DSL, embedded_cubin, needs_cute_dsl
 from pydantic import ValidationError
 
 from dsa_aot.backends.cutedsl.build import BuildRequest, build_cutedsl, read_record
@@ -39,8 +38,6 @@ from dsa_aot.kernels.reference import sparse_mla_fwd_ref
 #: or ``wgmma:1`` (default: the arch's default flavour and its default number of KV buffers).
 IMPL_ENV = "DSA_AOT_CUTE_FWD_IMPL"
 _CUDA = torch.cuda.is_available()
-_HAS_DSL = importlib.util.find_spec("cutlass") is not None
-needs_dsl = pytest.mark.skipif(not _HAS_DSL, reason="needs nvidia-cutlass-dsl to build")
 gpu = pytest.mark.skipif(not _CUDA, reason="needs a CUDA GPU")
 
 #: Built by the CPU tests: two variants per arch, both layouts and both head dims covered.
@@ -72,7 +69,7 @@ def fwd_request(arch: str, d_qk: int, heads: int, layout: str, kv_stages: int | 
 
 @pytest.fixture(scope="module")
 def cpu_built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    if not _HAS_DSL:
+    if not HAS_CUTE_DSL:
         pytest.skip("needs nvidia-cutlass-dsl to build")
     out = tmp_path_factory.mktemp("cute-fwd")
     records = build_cutedsl([fwd_request(*v) for v in CPU_VARIANTS], out)
@@ -81,7 +78,7 @@ def cpu_built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     return {"dir": out, "records": {r.name: r for r in records}}
 
 
-@needs_dsl
+@needs_cute_dsl
 @pytest.mark.parametrize("variant", CPU_VARIANTS, ids=lambda v: "-".join(map(str, v)))
 def test_fwd_builds_for_every_arch(cpu_built: dict, variant: tuple) -> None:
     arch, d_qk, heads, layout = variant
@@ -117,7 +114,7 @@ def test_fwd_builds_for_every_arch(cpu_built: dict, variant: tuple) -> None:
     assert ("int32_t num_sms" in header) == (impl == "wgmma_split")
 
 
-@needs_dsl
+@needs_cute_dsl
 def test_call_frame_carries_the_scale(cpu_built: dict) -> None:
     """The frame holds ``softmax_scale`` as a C float and ``num_sms`` as a C int32 at their
     struct offsets, ``&value`` in argv."""
@@ -148,7 +145,7 @@ def test_call_frame_carries_the_scale(cpu_built: dict) -> None:
     assert raw == pytest.approx(0.041666668, rel=1e-7)
 
 
-@needs_dsl
+@needs_cute_dsl
 def test_bad_inputs_raise_before_cuda(cpu_built: dict) -> None:
     kernel = load_kernel(cpu_built["dir"] / fwd_name("sm_90a", 576, 64, "compact"))
     s_q, s_kv, k, h = 3, 10, 5, 64
@@ -220,7 +217,7 @@ def test_cli_rejects_bad_combinations(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr and not list(tmp_path.iterdir())
 
 
-@needs_dsl
+@needs_cute_dsl
 @pytest.mark.slow
 def test_full_sweep_builds(tmp_path: Path) -> None:
     """Every (arch, d_qk, heads, layout) with the arch default, plus every sm_90a variant of
@@ -243,7 +240,7 @@ WS_VARIANTS = [(576, 64, "compact"), (512, 16, "noncompact")]
 SPLIT_VARIANTS = [(576, 128, "noncompact"), (512, 32, "compact")]
 
 
-@needs_dsl
+@needs_cute_dsl
 @pytest.mark.parametrize("impl,variants,kernel", [("wgmma_ws", WS_VARIANTS, b"kernel_ws"),
                                                   ("wgmma_split", SPLIT_VARIANTS,
                                                    b"kernel_split")])
