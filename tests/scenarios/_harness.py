@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,6 +155,32 @@ def finish(proc: subprocess.Popen, timeout_s: float = 120.0) -> ChildResult:
 
 def run_child(config: dict[str, Any], env: dict[str, str], timeout_s: float = 120.0) -> ChildResult:
     return finish(start_child(config, env), timeout_s)
+
+
+def start_together(configs: list[dict[str, Any]], envs: list[dict[str, str]], tmp_path: Path,
+                   timeout_s: float = 120.0) -> list[dict[str, Any] | None]:
+    """Start one child per ``(config, env)``, hold them at a gate (files under ``tmp_path``)
+    until every one has imported, release them at once, and return their results; a child that
+    dies before the start line or exits non-zero fails the test with its stderr."""
+    ready, gate = tmp_path / "ready", tmp_path / "gate"
+    ready.mkdir()
+    procs = [start_child({**c, "ready_dir": str(ready), "gate": str(gate)}, e)
+             for c, e in zip(configs, envs, strict=True)]
+    deadline = time.monotonic() + timeout_s
+    while len(list(ready.iterdir())) < len(procs):
+        dead = [p for p in procs if p.poll() is not None]
+        if dead:
+            gate.touch()
+            res = finish(dead[0])
+            raise AssertionError(f"a child died before the start line (rc {res.returncode}):\n"
+                                 f"{res.stderr[-3000:]}")
+        assert time.monotonic() < deadline, "children did not reach the start line"
+        time.sleep(0.02)
+    gate.touch()
+    results = [finish(p, timeout_s) for p in procs]
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return [r.result for r in results]
 
 
 def tree_digest(root: Path) -> dict[str, str]:

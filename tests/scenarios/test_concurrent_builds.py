@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-from pathlib import Path
 
 import pytest
 
@@ -18,34 +17,13 @@ import _harness
 N = 8
 
 
-def _start_together(configs: list[dict], env: dict, tmp_path: Path, timeout_s: float = 120.0):
-    """Start one child per config, hold them at a gate until all are imported, then release."""
-    ready, gate = tmp_path / "ready", tmp_path / "gate"
-    ready.mkdir()
-    procs = [_harness.start_child({**c, "ready_dir": str(ready), "gate": str(gate)}, env) for c in configs]
-    deadline = time.monotonic() + timeout_s
-    while len(list(ready.iterdir())) < len(procs):
-        dead = [p for p in procs if p.poll() is not None]
-        if dead:
-            gate.touch()
-            res = _harness.finish(dead[0])
-            pytest.fail(f"a child died before the start line (rc {res.returncode}):\n{res.stderr[-3000:]}")
-        assert time.monotonic() < deadline, "children did not reach the start line"
-        time.sleep(0.02)
-    gate.touch()
-    results = [_harness.finish(p, timeout_s) for p in procs]
-    for r in results:
-        assert r.returncode == 0, r.stderr[-3000:]
-    return [r.result for r in results]
-
-
 def test_eight_cold_starts_of_one_variant_compile_once(rig, tmp_path):
     missed = tmp_path / "missed"
     missed.mkdir()
     # The builder holds the key lock until all 8 processes have missed in try_load and are
     # queued on that lock: the worst interleaving, forced rather than hoped for.
     env = rig.env(REL_WAIT_FOR_MISSES=str(missed), REL_WAIT_FOR_MISSES_N=str(N))
-    results = _start_together([{"missed_dir": str(missed)}] * N, env, tmp_path)
+    results = _harness.start_together([{"missed_dir": str(missed)}] * N, [env] * N, tmp_path)
 
     assert all(r["missed"] for r in results)  # all 8 went down the cold path
     assert len(rig.builds()) == 1  # ... and exactly one compiled
@@ -66,7 +44,7 @@ def test_eight_different_variants_build_in_parallel(rig, tmp_path):
     # Any lock wider than one key would serialize them and this barrier would time out.
     env = rig.env(REL_BUILD_BARRIER=str(barrier), REL_BUILD_BARRIER_N=str(N), REL_BARRIER_TIMEOUT="90")
     variants = [{"spec": {"heads": h, "d_qk": d}} for d in (512, 576) for h in (16, 32, 64, 128)]
-    results = _start_together(variants, env, tmp_path, timeout_s=180)
+    results = _harness.start_together(variants, [env] * len(variants), tmp_path, timeout_s=180)
 
     assert len(list(barrier.iterdir())) == N  # 8 builders were inside build() at the same time
     builds = rig.builds()
@@ -102,8 +80,8 @@ def test_real_forward_kernel_eight_cold_starts(rig, tmp_path):
     missed = tmp_path / "missed"
     missed.mkdir()
     start = time.perf_counter()
-    results = _start_together([{"real_kernel": True, "missed_dir": str(missed)}] * N, rig.env(), tmp_path,
-                              timeout_s=580)
+    results = _harness.start_together([{"real_kernel": True, "missed_dir": str(missed)}] * N,
+                                      [rig.env()] * N, tmp_path, timeout_s=580)
     wall = time.perf_counter() - start
     assert len(rig.builds()) == 1 and len(rig.loads()) == N
     sources = sorted(r["source"].split(":", 1)[0] for r in results)

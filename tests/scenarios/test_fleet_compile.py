@@ -26,28 +26,6 @@ def _node_env(rig, tmp_path: Path, i: int, server, **extra: str) -> dict[str, st
                       "DSA_AOT_REMOTE_WRITE": "1", **extra})
 
 
-def _start_nodes(configs: list[dict], envs: list[dict], tmp_path: Path, timeout_s: float = 150.0) -> list[dict]:
-    """One child per (config, env), held at a gate until all are imported, then released."""
-    ready, gate = tmp_path / "ready", tmp_path / "gate"
-    ready.mkdir()
-    procs = [_harness.start_child({**c, "ready_dir": str(ready), "gate": str(gate)}, e)
-             for c, e in zip(configs, envs)]
-    deadline = time.monotonic() + timeout_s
-    while len(list(ready.iterdir())) < len(procs):
-        dead = [p for p in procs if p.poll() is not None]
-        if dead:
-            gate.touch()
-            res = _harness.finish(dead[0])
-            pytest.fail(f"a child died before the start line (rc {res.returncode}):\n{res.stderr[-3000:]}")
-        assert time.monotonic() < deadline, "children did not reach the start line"
-        time.sleep(0.02)
-    gate.touch()
-    results = [_harness.finish(p, timeout_s) for p in procs]
-    for r in results:
-        assert r.returncode == 0, r.stderr[-3000:]
-    return [r.result for r in results]
-
-
 def test_eight_nodes_one_missing_variant_compile_once(rig, tmp_path, redis_server):
     missed = tmp_path / "missed"
     missed.mkdir()
@@ -55,7 +33,7 @@ def test_eight_nodes_one_missing_variant_compile_once(rig, tmp_path, redis_serve
     # the other 7 are then waiting on the fleet lease, not finding a finished entry.
     envs = [_node_env(rig, tmp_path, i, redis_server, REL_WAIT_FOR_MISSES=str(missed),
                       REL_WAIT_FOR_MISSES_N=str(N)) for i in range(N)]
-    results = _start_nodes([{"missed_dir": str(missed)}] * N, envs, tmp_path)
+    results = _harness.start_together([{"missed_dir": str(missed)}] * N, envs, tmp_path)
 
     assert all(r["missed"] for r in results)
     assert len(rig.builds()) == 1  # one compile in the fleet
@@ -82,7 +60,7 @@ def test_eight_nodes_eight_variants_compile_at_once(rig, tmp_path, redis_server)
     envs = [_node_env(rig, tmp_path, i, redis_server, REL_BUILD_BARRIER=str(barrier),
                       REL_BUILD_BARRIER_N=str(N), REL_BARRIER_TIMEOUT="120") for i in range(N)]
     variants = [{"spec": {"heads": h, "d_qk": d}} for d in (512, 576) for h in (16, 32, 64, 128)]
-    results = _start_nodes(variants, envs, tmp_path, timeout_s=200)
+    results = _harness.start_together(variants, envs, tmp_path, timeout_s=200)
 
     assert len(list(barrier.iterdir())) == N
     assert sorted(b[1] for b in rig.builds()) == sorted(r["spec_id"] for r in results)
@@ -94,7 +72,7 @@ def test_eight_nodes_eight_variants_compile_at_once(rig, tmp_path, redis_server)
 def test_sharded_builders_push_and_a_fresh_node_pulls_every_spec(rig, tmp_path, redis_server):
     specs = [{"heads": h, "d_qk": d} for d in (512, 576) for h in (16, 32, 64, 128)]
     shards = [{"action": "shard", "shard": [i + 1, 4], "specs": specs} for i in range(4)]
-    results = _start_nodes(shards, [_node_env(rig, tmp_path, i, redis_server) for i in range(4)], tmp_path)
+    results = _harness.start_together(shards, [_node_env(rig, tmp_path, i, redis_server) for i in range(4)], tmp_path)
     built = {sid: st for r in results for sid, st in r["statuses"].items()}
     assert len(built) == len(specs) and set(built.values()) == {"built"}
     assert len(rig.builds()) == len(specs)  # each spec compiled by exactly one shard
