@@ -219,6 +219,28 @@ def test_cuda_graph_capture_replays():
     assert torch.equal(g_out, ref_out)
 
 
+@pytest.mark.parametrize("h,layout", [(64, "compact"), (16, "noncompact")])
+def test_cuda_graph_capture_replays_the_backward(h, layout):
+    """The backward queues its stages without waiting for the host, so a training step can
+    capture it: a replay with a new dout matches an eager call up to the order of fp32 atomic
+    adds."""
+    q, kv, idx, length, sink, dout = inputs(200, 4096, h, 576, 1024, layout=layout, seed=3)
+    out, lse = dsa_aot.sparse_mla_fwd(q, kv, idx, topk_length=length, attn_sink=sink)
+
+    def call():
+        return dsa_aot.sparse_mla_bwd(q, kv, out, dout, lse, idx, topk_length=length, attn_sink=sink)
+
+    call()  # load the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_dq, g_dkv, g_sink = call()
+    dout.copy_(torch.randn_like(dout, dtype=torch.float32).to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    dq, dkv, d_sink = call()
+    assert rel(g_dq, dq) < 1e-6 and rel(g_dkv, dkv) < 1e-5 and rel(g_sink, d_sink) < 1e-6
+
+
 @pytest.mark.skipif(not os.environ.get("DSA_AOT_PREBUILT_DIR"), reason="needs a prebuilt root")
 def test_fresh_process_hit_imports_no_compiler():
     code = ("import sys, torch, dsa_aot\n"
