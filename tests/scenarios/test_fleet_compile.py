@@ -33,7 +33,7 @@ def test_eight_nodes_one_missing_variant_compile_once(rig, tmp_path, redis_serve
     # the other 7 are then waiting on the fleet lease, not finding a finished entry.
     envs = [_node_env(rig, tmp_path, i, redis_server, REL_WAIT_FOR_MISSES=str(missed),
                       REL_WAIT_FOR_MISSES_N=str(N)) for i in range(N)]
-    results = _harness.start_together([{"missed_dir": str(missed)}] * N, envs, tmp_path)
+    results = _harness.start_together([{"missed_dir": str(missed)}] * N, envs, tmp_path, timeout_s=150)
 
     assert all(r["missed"] for r in results)
     assert len(rig.builds()) == 1  # one compile in the fleet
@@ -72,7 +72,8 @@ def test_eight_nodes_eight_variants_compile_at_once(rig, tmp_path, redis_server)
 def test_sharded_builders_push_and_a_fresh_node_pulls_every_spec(rig, tmp_path, redis_server):
     specs = [{"heads": h, "d_qk": d} for d in (512, 576) for h in (16, 32, 64, 128)]
     shards = [{"action": "shard", "shard": [i + 1, 4], "specs": specs} for i in range(4)]
-    results = _harness.start_together(shards, [_node_env(rig, tmp_path, i, redis_server) for i in range(4)], tmp_path)
+    envs = [_node_env(rig, tmp_path, i, redis_server) for i in range(4)]
+    results = _harness.start_together(shards, envs, tmp_path, timeout_s=150)
     built = {sid: st for r in results for sid, st in r["statuses"].items()}
     assert len(built) == len(specs) and set(built.values()) == {"built"}
     assert len(rig.builds()) == len(specs)  # each spec compiled by exactly one shard
