@@ -68,6 +68,7 @@ from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, HEAD_CHOICES, LAY
                                             acc_rows_cols, fake_tensor, gather_row_zfill,
                                             run_time_sizes, vec_stride, wg_rows_cols)
 from dsa_aot.kernels.dkv_interleave import dkv_acc_column
+from dsa_aot.kernels.fixed_point import row_words
 
 #: Heads per CTA (MMA M of the score GEMMs) and top-k slots per block.
 BLOCK_H = 64
@@ -201,6 +202,9 @@ class SparseMlaBwdMain:
         #: instead of added atomically; only the flavours that have it pass True
         #: (:mod:`.cutedsl_bwd_ws`, :mod:`.cutedsl_bwd_slot_major`)
         self.deterministic = deterministic
+        #: the deterministic mode adds int32 fixed point into ``dkv_fixed`` instead of storing
+        #: rows (:mod:`.cutedsl_fixed_point`; the flavours with a dKV warpgroup set it)
+        self.fixed_point = False
         self.impl = impl
         self.d_qk = d_qk
         self.heads = heads
@@ -910,7 +914,10 @@ class SparseMlaBwdMain:
                                            s_tile_base, self.kv_tile_rows, 0, self.d_qk // 64)
             if j == 0:
                 s_valid[buf + row] = Int32(1) if ok else Int32(0)
-                s_idx[buf + row] = src_row
+                if cutlass.const_expr(self.fixed_point):  # -1: no fixed-point add
+                    s_idx[buf + row] = src_row if ok else Int32(-1)
+                else:
+                    s_idx[buf + row] = src_row
 
 
 class SparseMlaBwdMainCompact(SparseMlaBwdMain):
@@ -964,13 +971,44 @@ class DeterministicNoncompactEntry:
                     softmax_scale, stream)
 
 
+class FixedPointCompactEntry:
+    """Entry point of the fixed-point deterministic mode, compact layout: ``dkv_fixed`` [s_kv + 1,
+    D + 8] int32 (:mod:`dsa_aot.kernels.fixed_point`) in place of ``dkv_acc``. Mixed into a
+    flavour that has the mode."""
+
+    FIXED_POINT = True
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, kv: cute.Tensor, dout: cute.Tensor,
+                 topk_idxs: cute.Tensor, topk_length: cute.Tensor, lse_sink: cute.Tensor,
+                 delta: cute.Tensor, dq: cute.Tensor, dkv_fixed: cute.Tensor,
+                 softmax_scale: Float32, stream: cuda.CUstream) -> None:
+        self.launch(q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_fixed,
+                    softmax_scale, stream)
+
+
+class FixedPointNoncompactEntry:
+    """Entry point of the fixed-point deterministic mode, noncompact layout (see
+    :class:`FixedPointCompactEntry`)."""
+
+    FIXED_POINT = True
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, kv: cute.Tensor, dout: cute.Tensor,
+                 topk_idxs: cute.Tensor, lse_sink: cute.Tensor, delta: cute.Tensor,
+                 dq: cute.Tensor, dkv_fixed: cute.Tensor, softmax_scale: Float32,
+                 stream: cuda.CUstream) -> None:
+        self.launch(q, kv, dout, topk_idxs, topk_idxs, lse_sink, delta, dq, dkv_fixed,
+                    softmax_scale, stream)
+
+
 def head_blocks(heads: int) -> int:
     """CTAs per query row: one per block of 64 heads (the rows of ``dkv_rows`` per slot)."""
     return (heads + BLOCK_H - 1) // BLOCK_H
 
 
 def fake_arguments(d_qk: int, heads: int, layout: str, deterministic: bool = False,
-                   ) -> dict[str, object]:
+                   fixed_point: bool = False) -> dict[str, object]:
     """Dynamic-shape stand-ins for every argument, in call order.
 
     ``s_q``, ``s_kv`` and ``topk`` are run-time; heads and head dims are compile-time. The last
@@ -978,7 +1016,8 @@ def fake_arguments(d_qk: int, heads: int, layout: str, deterministic: bool = Fal
     elements (16-byte aligned rows for ``cp.async``), the ``dkv_acc`` row stride a multiple of 4
     (16-byte aligned rows for the vector atomics), other strides any run-time value.
     ``deterministic``: ``dkv_rows`` [s_q * topk, head blocks, D] bf16 instead of ``dkv_acc``
-    (row strides run-time multiples of 8 elements).
+    (row strides run-time multiples of 8 elements); with ``fixed_point`` too, ``dkv_fixed``
+    [s_kv + 1, D + 8] int32 instead (row stride a run-time multiple of 4 words).
     """
     check_params(d_qk, heads, layout)
     s_q, s_kv, topk = run_time_sizes()
@@ -997,7 +1036,10 @@ def fake_arguments(d_qk: int, heads: int, layout: str, deterministic: bool = Fal
         "delta": fake(Float32, (s_q, heads), (cute.sym_int64(), 1), 4),
         "dq": fake(BFloat16, (s_q, heads, d_qk), (vec_stride(), vec_stride(), 1), 16),
     }
-    if deterministic:  # one row per (query row, slot, head block)
+    if deterministic and fixed_point:  # the fixed-point sums, scales, maxima, control row
+        args["dkv_fixed"] = fake(Int32, (cute.sym_int32(symbol="kv_rows"), row_words(d_qk)),
+                                 (cute.sym_int64(divisibility=4), 1), 16)
+    elif deterministic:  # one row per (query row, slot, head block)
         args["dkv_rows"] = fake(BFloat16, (cute.sym_int32(symbol="positions"), head_blocks(heads),
                                            d_qk), (vec_stride(), vec_stride(), 1), 16)
     else:  # 16-byte aligned rows for the 4-wide atomics
@@ -1050,15 +1092,18 @@ def compile_flavour(entries: dict[tuple[bool, str], type], module_impl: str, che
         raise ValueError(f"impl={impl!r}: this module builds impl={module_impl!r}; "
                          "compile_bwd_main builds the others")
     check(d_qk, heads, layout, arch)
-    fakes = fake_arguments(d_qk, heads, layout, deterministic)
-    kernel = entries[deterministic, layout](d_qk, heads, layout, atomic_width=atomic_width,
+    entry = entries[deterministic, layout]
+    fakes = fake_arguments(d_qk, heads, layout, deterministic,
+                           getattr(entry, "FIXED_POINT", False))
+    kernel = entry(d_qk, heads, layout, atomic_width=atomic_width,
                                             scatter=scatter, deterministic=deterministic)
     compiled = cute.compile(kernel, *fakes.values(),
                             options=f"--gpu-arch {arch} {extra_options}".strip())
     return compiled, fakes
 
 
-__all__ = ["DeterministicCompactEntry", "DeterministicNoncompactEntry", "SparseMlaBwdMain",
+__all__ = ["DeterministicCompactEntry", "DeterministicNoncompactEntry", "FixedPointCompactEntry",
+           "FixedPointNoncompactEntry", "SparseMlaBwdMain",
            "SparseMlaBwdMainCompact", "SparseMlaBwdMainNoncompact",
            "can_implement", "check_params", "compile_bwd_main", "compile_flavour",
            "fake_arguments", "wgmma_smem_layouts"]

@@ -59,10 +59,12 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import hopper_helpers as sm90_utils
 
 from dsa_aot.kernels import cutedsl_bwd_main as main
-from dsa_aot.kernels.cutedsl_bwd_main import (BLOCK_H, BLOCK_N, LOG2E, DeterministicCompactEntry,
-                                              DeterministicNoncompactEntry, SparseMlaBwdMain,
+from dsa_aot.kernels.cutedsl_bwd_main import (BLOCK_H, BLOCK_N, LOG2E, FixedPointCompactEntry,
+                                              FixedPointNoncompactEntry, SparseMlaBwdMain,
                                               SparseMlaBwdMainCompact, SparseMlaBwdMainNoncompact,
                                               compile_flavour, score_gemms, wg_gemm)
+from dsa_aot.kernels.cutedsl_fixed_point import (add_fixed, fixed_scales, flush_max, fold_max,
+                                                 launch_skipped)
 from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, LAYOUTS, VEC, wg_acc_as_a,
                                             wg_rows_cols)
 
@@ -133,7 +135,8 @@ def shared_storage(d_qk: int, heads: int = BLOCK_H) -> tuple[dict[str, cute.Comp
     fields |= {"s_idx": align[mem[Int32, 2 * BLOCK_N], 16],
                "s_valid": align[mem[Int32, 2 * BLOCK_N], 16],
                "s_lse": align[mem[Float32, heads], 16],
-               "s_delta": align[mem[Float32, heads], 16]}
+               "s_delta": align[mem[Float32, heads], 16],
+               "s_max": align[mem[Float32, BLOCK_N], 16]}
     # built from a dict: this module's annotations are strings (postponed evaluation)
     SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
     return lay, SharedStorage
@@ -163,6 +166,7 @@ def ws_smem_views(storage: object, layouts: tuple, heads: int) -> dict:
         "valid": storage.s_valid.get_tensor(cute.make_layout(2 * BLOCK_N)),
         "lse": storage.s_lse.get_tensor(cute.make_layout(heads)),
         "delta": storage.s_delta.get_tensor(cute.make_layout(heads)),
+        "max": storage.s_max.get_tensor(cute.make_layout(BLOCK_N)),
     }
 
 
@@ -176,7 +180,10 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         super().__init__(d_qk, heads, layout, atomic_width=atomic_width, scatter=scatter,
                          impl="wgmma", deterministic=deterministic)
         self.impl = IMPL
-        self.score_dq_tiles = SCORE_DQ_TILES
+        self.fixed_point = deterministic
+        #: dQ column tiles of warpgroup 0; at D 576 the fixed-point mode moves a fifth one
+        #: there (warpgroup 1's adds need the registers: 8 bytes of spills otherwise)
+        self.score_dq_tiles = SCORE_DQ_TILES + (1 if deterministic and d_qk == 576 else 0)
         self.gather_threads = WG_THREADS  # warpgroup 0 gathers
         #: the heads of one CTA (the K of the dKV chunk GEMMs)
         self.cta_heads = BLOCK_H
@@ -242,6 +249,28 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                   mma_s: cute.TiledMma, mma_dq_rs: cute.TiledMma,
                   mma_dq_ss: cute.TiledMma, mma_kv: cute.TiledMma,
                   SharedStorage: cutlass.Constexpr) -> None:
+        skip = Int32(0)
+        if cutlass.const_expr(self.fixed_point):  # a re-launch the runtime found unneeded
+            skip = launch_skipped(m_dkv, cute.size(m_kv, mode=[0]))
+        if skip == 0:
+            self.cta_ws(m_q, m_kv, m_do, m_idx, m_len, m_lse, m_delta, m_dq, m_dkv,
+                        softmax_scale, s_q_layout, s_do_layout, s_kv_layout, s_p_layout,
+                        s_qt_layout, s_dot_layout, s_kt_layout, s_pt_layout, row_copy, mma_s,
+                        mma_dq_rs, mma_dq_ss, mma_kv, SharedStorage)
+
+    @cute.jit
+    def cta_ws(self, m_q: cute.Tensor, m_kv: cute.Tensor, m_do: cute.Tensor,
+               m_idx: cute.Tensor, m_len: cute.Tensor, m_lse: cute.Tensor,
+               m_delta: cute.Tensor, m_dq: cute.Tensor, m_dkv: cute.Tensor,
+               softmax_scale: Float32, s_q_layout: cute.ComposedLayout,
+               s_do_layout: cute.ComposedLayout, s_kv_layout: cute.ComposedLayout,
+               s_p_layout: cute.ComposedLayout, s_qt_layout: cute.ComposedLayout,
+               s_dot_layout: cute.ComposedLayout, s_kt_layout: cute.ComposedLayout,
+               s_pt_layout: cute.ComposedLayout, row_copy: cute.TiledCopy,
+               mma_s: cute.TiledMma, mma_dq_rs: cute.TiledMma,
+               mma_dq_ss: cute.TiledMma, mma_kv: cute.TiledMma,
+               SharedStorage: cutlass.Constexpr) -> None:
+        """One CTA's query row and head block (:meth:`kernel_ws` without the skip test)."""
         d = self.d_qk
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
@@ -423,6 +452,13 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         kv_shape = thr_kv.partition_shape_C((BLOCK_N, TILE))
         kv_coords = wg_rows_cols(thr_kv.partition_C(cute.make_identity_tensor((BLOCK_N, TILE))))
         k_steps = heads // 16
+        fixed_base = m_dkv.iterator.toint()
+        fixed_stride = Int32(m_dkv.stride[0])
+        warp_rows = (wtid // 32) * 16
+        if cutlass.const_expr(self.fixed_point):  # each warp's 16 block rows: their max slots
+            if lane < 16:
+                sm["max"][warp_rows + lane] = Float32(0.0)
+            cute.arch.sync_warp()
 
         for b in cutlass.range(n_blocks, unroll=1):
             buf = (b % 2) * BLOCK_N
@@ -434,9 +470,16 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                         cute.gemm(mma_dq, acc_dq[i], r_ds[None, None, k],
                                   r_kt[i][None, None, k], acc_dq[i])
                 warpgroup.commit_group()
-            slots = self.dkv_slots(buf, kv_coords, lane)
-            row_ok = [sm["valid"][s] for s in slots]
-            row_ptr = self.dkv_row_ptrs(m_dkv, sm["idx"], slots, buf, b * BLOCK_N, t, hb, topk)
+            row_ok, row_ptr, fixed = [], [], []
+            if cutlass.const_expr(self.fixed_point):  # row_max: this block's, per own row
+                fixed = [sm["idx"], buf + warp_rows, fixed_stride,
+                         fixed_scales(m_dkv, sm["idx"], buf + warp_rows, lane, d), fixed_base,
+                         sm["max"], warp_rows]
+            else:
+                slots = self.dkv_slots(buf, kv_coords, lane)
+                row_ok = [sm["valid"][s] for s in slots]
+                row_ptr = self.dkv_row_ptrs(m_dkv, sm["idx"], slots, buf, b * BLOCK_N, t, hb,
+                                            topk)
             acc_kv = [cute.make_rmem_tensor(kv_shape, Float32) for _ in range(2)]
             for c in cutlass.range_constexpr(n_chunks):
                 steps = [(r_dst[None, None, k], r_qt[c][None, None, k]) for k in range(k_steps)]
@@ -454,16 +497,31 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                                                      number_of_threads=THREADS)
                 else:
                     warpgroup.wait_group(1)  # chunk c - 1 is done
-                    self.scatter_chunk(wg_rows_cols(acc_kv[(c - 1) % 2]), kv_coords, row_ok,
-                                       row_ptr, (c - 1) * TILE, lane)
+                    self.add_chunk(wg_rows_cols(acc_kv[(c - 1) % 2]), kv_coords, row_ok, row_ptr,
+                                   fixed, (c - 1) * TILE, lane)
             warpgroup.wait_group(0)
             if b + 1 < n_blocks:  # P / dS read for the last time: the next block's may land
                 cute.arch.barrier_arrive(barrier_id=BAR_PDS_EMPTY, number_of_threads=THREADS)
-            self.scatter_chunk(wg_rows_cols(acc_kv[(n_chunks - 1) % 2]), kv_coords, row_ok,
-                               row_ptr, (n_chunks - 1) * TILE, lane)
+            self.add_chunk(wg_rows_cols(acc_kv[(n_chunks - 1) % 2]), kv_coords, row_ok, row_ptr,
+                           fixed, (n_chunks - 1) * TILE, lane)
+            if cutlass.const_expr(self.fixed_point):
+                flush_max(sm["max"], warp_rows, sm["idx"], buf + warp_rows, fixed_stride,
+                          fixed_base, lane, d)
 
         if cutlass.const_expr(n_dq > 0):
             self.store_dq(t, hb, m_dq, acc_dq, thr_dq, self.score_dq_tiles)
+
+    @cute.jit
+    def add_chunk(self, acc: cute.Tensor, coords: cute.Tensor, row_ok: list, row_ptr: list,
+                  fixed: list, col0: cutlass.Constexpr, lane: Int32) -> None:
+        """One dKV chunk into ``dkv_fixed`` (the fixed-point mode, :func:`add_fixed` with
+        ``fixed`` = its ``[s_idx, first, stride, scales, base]``, then :func:`fold_max` with
+        ``[s_max, warp_rows]``) or by
+        :meth:`scatter_chunk` (the fp32 atomics, or the stored rows)."""
+        if cutlass.const_expr(self.fixed_point):
+            fold_max(add_fixed(acc, *fixed[:5], col0, lane), fixed[5], fixed[6], lane)
+        else:
+            self.scatter_chunk(acc, coords, row_ok, row_ptr, col0, lane)
 
     @cute.jit
     def store_dq(self, t: Int32, hb: Int32, m_dq: cute.Tensor, acc_dq: list,
@@ -486,11 +544,11 @@ class SparseMlaBwdWsNoncompact(SparseMlaBwdWs, SparseMlaBwdMainNoncompact):
     """Entry point of the noncompact layout (padding marked by out-of-range indices)."""
 
 
-class SparseMlaBwdWsCompactDeterministic(DeterministicCompactEntry, SparseMlaBwdWs):
+class SparseMlaBwdWsCompactDeterministic(FixedPointCompactEntry, SparseMlaBwdWs):
     """Entry point of the deterministic mode, compact layout."""
 
 
-class SparseMlaBwdWsNoncompactDeterministic(DeterministicNoncompactEntry, SparseMlaBwdWs):
+class SparseMlaBwdWsNoncompactDeterministic(FixedPointNoncompactEntry, SparseMlaBwdWs):
     """Entry point of the deterministic mode, noncompact layout."""
 
 

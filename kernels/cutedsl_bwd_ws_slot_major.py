@@ -64,8 +64,8 @@ from cutlass.utils import hopper_helpers as sm90_utils
 
 from dsa_aot.kernels import cutedsl_bwd_main as main
 from dsa_aot.kernels import cutedsl_bwd_ws as ws
-from dsa_aot.kernels.cutedsl_bwd_main import (LOG2E, DeterministicCompactEntry,
-                                              DeterministicNoncompactEntry, SparseMlaBwdMain,
+from dsa_aot.kernels.cutedsl_bwd_main import (LOG2E, FixedPointCompactEntry,
+                                              FixedPointNoncompactEntry, SparseMlaBwdMain,
                                               SparseMlaBwdMainCompact, SparseMlaBwdMainNoncompact,
                                               compile_flavour, score_gemms)
 from dsa_aot.kernels.cutedsl_bwd_slot_major import (slot_major_tiled_ops,
@@ -125,6 +125,7 @@ class SparseMlaBwdWsSlotMajor(SparseMlaBwdWs):
         SparseMlaBwdMain.__init__(self, d_qk, heads, layout, atomic_width=atomic_width,
                                   scatter=scatter, impl="wgmma", deterministic=deterministic)
         self.impl = IMPL
+        self.fixed_point = deterministic
         self.gather_threads = WG_THREADS  # warpgroup 0 gathers, 64 rows a block
         self.score_dq_tiles = d_qk // TILE  # every dQ^T tile: warpgroup 1 computes none
         self.cta_heads = heads
@@ -273,12 +274,12 @@ class SparseMlaBwdWsSlotMajorNoncompact(SparseMlaBwdWsSlotMajor, SparseMlaBwdMai
     """Entry point of the noncompact layout (padding marked by out-of-range indices)."""
 
 
-class SparseMlaBwdWsSlotMajorCompactDeterministic(DeterministicCompactEntry,
+class SparseMlaBwdWsSlotMajorCompactDeterministic(FixedPointCompactEntry,
                                                   SparseMlaBwdWsSlotMajor):
     """Entry point of the deterministic mode, compact layout."""
 
 
-class SparseMlaBwdWsSlotMajorNoncompactDeterministic(DeterministicNoncompactEntry,
+class SparseMlaBwdWsSlotMajorNoncompactDeterministic(FixedPointNoncompactEntry,
                                                      SparseMlaBwdWsSlotMajor):
     """Entry point of the deterministic mode, noncompact layout."""
 

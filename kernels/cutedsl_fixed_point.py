@@ -1,0 +1,204 @@
+"""Device side of the deterministic backward's fixed-point dKV adds (CuTe DSL helpers).
+
+The layout of ``dkv_fixed`` is :mod:`dsa_aot.kernels.fixed_point`. The dKV warpgroup of the
+``wgmma_ws`` / ``wgmma_ws_slot_major`` main kernels calls, per block of 64 slots:
+
+* :func:`fixed_rows`: the word offsets of the 16 KV rows this warp's adds go to (one per
+  fragment row, side of a quad pair and quad pair; -1 for an invalid slot) and the scales of
+  the 4 rows this lane's own values belong to;
+* :func:`add_fixed`, per 64-column chunk: each value becomes ``fma(v, 2^k, 1.5 2^23)``'s bits;
+  the 4 quad pairs of the warp transpose their 4-value runs (two butterfly stages) so that one
+  ``red.global.add.u32`` of the warp adds a whole 128-byte line of one row, in the same
+  interleaved column order as the fast mode's fp32 atomics;
+* :func:`flush_max`: the row's largest ``|v|`` (``red.global.max.u32`` of fp32 bits).
+
+This module imports ``cutlass``: use it in a build process only.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
+
+from dsa_aot.kernels.fixed_point import CONTROL_SKIP, WORD_MAX, WORD_SCALE
+
+
+def _select(cond, if_value, else_value):
+    """``if_value if cond else else_value`` for a run-time ``cond`` (a select, no branch)."""
+    return type(if_value)(cutlass.select_(cond, if_value, else_value))
+
+
+def _asm(result, args: list, text: str, constraints: str, side_effects: bool, loc, ip):
+    return llvm.inline_asm(result, [a.ir_value(loc=loc, ip=ip) for a in args], text,
+                           constraints, has_side_effects=side_effects, is_align_stack=False,
+                           asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@cutlass.dsl_user_op
+def fixed_bits(v: Float32, scale: Float32, *, loc=None, ip=None) -> Int32:
+    """The bits of ``fma.rn(v, scale, 1.5 * 2^23)``: ``0x4B400000 + rni(v scale)`` while
+    ``|v scale| < 2^22``."""
+    return Int32(_asm(Int32.mlir_type, [Float32(v), Float32(scale)],
+                      "{ .reg .f32 t; fma.rn.f32 t, $1, $2, 0f4B400000; mov.b32 $0, t; }",
+                      "=r,f,f", False, loc, ip))
+
+
+@cutlass.dsl_user_op
+def max_abs(m: Float32, v: Float32, *, loc=None, ip=None) -> Float32:
+    """``max.NaN(m, |v|)``: the running largest magnitude, NaN once any value was NaN. Marked
+    as having side effects so that the compiler keeps it where it is: sunk to the block's end,
+    where its result is used, it would keep a copy of every accumulator value alive."""
+    return Float32(_asm(Float32.mlir_type, [Float32(m), Float32(v)],
+                        "{ .reg .f32 t; abs.f32 t, $2; max.NaN.f32 $0, $1, t; }", "=f,f,f",
+                        True, loc, ip))
+
+
+@cutlass.dsl_user_op
+def f32_bits(v: Float32, *, loc=None, ip=None) -> Int32:
+    """The bits of fp32 ``v``."""
+    return Int32(_asm(Int32.mlir_type, [Float32(v)], "mov.b32 $0, $1;", "=r,f", False, loc, ip))
+
+
+@cutlass.dsl_user_op
+def as_f32(bits: Int32, *, loc=None, ip=None) -> Float32:
+    """``bits`` read as an fp32 value."""
+    return Float32(_asm(Float32.mlir_type, [Int32(bits)], "mov.b32 $0, $1;", "=f,r", False,
+                        loc, ip))
+
+
+@cutlass.dsl_user_op
+def red_fixed(base: Int64, row: Int32, stride: Int32, lane_word: Int32, word: cutlass.Constexpr,
+              value: Int32, go: Int32, op: cutlass.Constexpr = "add", *, loc=None,
+              ip=None) -> None:
+    """``red.relaxed.gpu.global.<op>.u32`` of ``value`` into word ``row * stride + lane_word +
+    word`` of ``dkv_fixed`` at ``base``, where ``row >= 0`` and ``go`` is nonzero. The address is
+    made inside the instruction block, so the compiler cannot keep one pointer per row, group
+    and chunk alive across the block loop (which costs registers, then spills)."""
+    _asm(None, [Int64(base), Int32(row), Int32(stride), Int32(lane_word), Int32(value),
+                Int32(go)],
+         "{ .reg .pred p, q; .reg .s32 w; .reg .b64 a; setp.ge.s32 p, $1, 0; "
+         "setp.ne.and.s32 q, $5, 0, p; mad.lo.s32 w, $1, $2, $3; "
+         f"add.s32 w, w, {int(word)}; mad.wide.s32 a, w, 4, $0; "
+         f"@q red.relaxed.gpu.global.{op}.u32 [a], $4; }}",
+         "l,r,r,r,r,r", True, loc, ip)
+
+
+@cutlass.dsl_user_op
+def ld_global_s32(addr: Int64, *, loc=None, ip=None) -> Int32:
+    """One 4-byte load from global ``addr`` that is not cached in L1 (``ld.global.cg``): the
+    runtime wrote it just before the launch."""
+    return Int32(_asm(Int32.mlir_type, [Int64(addr)], "ld.global.cg.s32 $0, [$1];", "=r,l",
+                      True, loc, ip))
+
+
+@cute.jit
+def launch_skipped(m_dkv: cute.Tensor, s_kv: Int32) -> Int32:
+    """The control row's skip word (row ``s_kv``, word :data:`CONTROL_SKIP`): nonzero when the
+    runtime decided this launch has nothing to do."""
+    row = m_dkv.iterator.toint() + Int64(s_kv) * Int64(m_dkv.stride[0]) * 4
+    return ld_global_s32(row + CONTROL_SKIP * 4)
+
+
+@cute.jit
+def fixed_scales(m_dkv: cute.Tensor, s_idx: cute.Tensor, first: Int32, lane: Int32,
+                 d: cutlass.Constexpr) -> list:
+    """Per block: ``2^k`` of this lane's own rows, ``scales[2 r + s]`` for block row ``8 r + 2
+    (lane / 8) + s`` after ``first`` (the ``s_idx`` position of the warp's first row, ``buf + 16
+    warp``); 0 for an invalid slot (``s_idx`` -1)."""
+    stride = Int32(m_dkv.stride[0])
+    base = m_dkv.iterator.toint()
+    pair = lane // 8
+    scales = []
+    for r in cutlass.range_constexpr(2):
+        for s in cutlass.range_constexpr(2):
+            row = s_idx[first + 8 * r + 2 * pair + s]
+            bits = Int32(0)
+            if row >= 0:
+                bits = ld_global_s32(base + Int64(row * stride + d + WORD_SCALE) * 4)
+            scales.append(as_f32(bits))
+    return scales
+
+
+def add_fixed(acc: cute.Tensor, s_idx: cute.Tensor, first: Int32, stride: Int32, scales: list,
+              base: Int64, col0: cutlass.Constexpr, lane: Int32) -> list:
+    """Add one ``(64 slots, 64 columns)`` dKV chunk of a warpgroup accumulator (``acc`` as a
+    ``(rows, cols)`` view) to ``dkv_fixed`` at ``base``; ``col0``: the chunk's
+    first column. ``row_max[2 r + s]`` keeps the largest ``abs_bits`` of this lane's own rows.
+
+    Per fragment row and 32-column group a lane holds 8 values; as in the fast mode it keeps 4
+    and trades 4 with the neighbouring quad (``lane ^ 4``), so that quad pair ``P`` holds the
+    group's 32 values of its lower row (side 0) and of its upper row (side 1), lane ``q`` of the
+    pair the 4 at interleaved words ``w = 4 (q % 4) + 16 ((q / 4) ^ side)``. A 4 x 4 transpose
+    over the pairs (``lane ^ 8``, then ``lane ^ 16``) leaves lane ``(P, q)`` with word ``w + P`` of
+    each pair's row ``R``: add ``R`` of the warp covers the 32 words (128 bytes) of row ``R``."""
+    rows = cute.size(acc, mode=[0])
+    cols = cute.size(acc, mode=[1])
+    row_max = [Float32(0.0)] * 4
+    upper = (lane // 4) % 2
+    quad = lane % 4
+    pair = lane // 8
+    bit0 = pair % 2
+    bit1 = pair // 2
+    for r in range(rows):
+        for g in range(cols // 8):
+            own = [acc[r, 8 * g + i] for i in range(4)]
+            got = [cute.arch.shuffle_sync_bfly(acc[r, 8 * g + 4 + i], offset=4) for i in range(4)]
+            for side in range(2):
+                k = 2 * r + side
+                x = [Int32(0)] * 4
+                for i in range(4):
+                    v = _select(upper == side, own[i], got[i])
+                    x[i] = fixed_bits(v, scales[k])
+                    row_max[k] = max_abs(row_max[k], v)
+                for stage in range(2):
+                    bit_zero = (bit0 if stage == 0 else bit1) == 0
+                    for j in range(2):
+                        lo = 2 * j if stage == 0 else j
+                        hi = lo + (1 if stage == 0 else 2)
+                        a = x[lo]
+                        b = x[hi]
+                        came = cute.arch.shuffle_sync_bfly(_select(bit_zero, b, a),
+                                                           offset=8 << stage)
+                        x[lo] = _select(bit_zero, a, came)
+                        x[hi] = _select(bit_zero, came, b)
+                lane_word = 4 * quad + 16 * (upper ^ side) + pair
+                for big_r in range(4):
+                    red_fixed(base, s_idx[first + 8 * r + 2 * big_r + side], stride,
+                              lane_word, col0 + 32 * g, x[big_r], Int32(1))
+    return row_max
+
+
+@cute.jit
+def fold_max(row_max: list, s_max: cute.Tensor, warp_rows: Int32, lane: Int32) -> None:
+    """Per chunk: each of this warp's 16 rows' largest magnitude so far into ``s_max`` (shared
+    fp32, one slot a block row): the max over the row's quad pair, then a read-modify-write by
+    the pair's first lane, the slot's only writer (``warp_rows``: the warp's first block row).
+    A running max kept in registers across the chunks makes ptxas spill; the slot costs none."""
+    pair = lane // 8
+    for k in cutlass.range_constexpr(4):
+        m = row_max[k]
+        for off in (1, 2, 4):
+            m = max_abs(m, cute.arch.shuffle_sync_bfly(m, offset=off))
+        slot = warp_rows + 8 * (k // 2) + 2 * pair + k % 2
+        if lane % 8 == 0:
+            s_max[slot] = max_abs(s_max[slot], m)
+
+
+@cute.jit
+def flush_max(s_max: cute.Tensor, warp_rows: Int32, s_idx: cute.Tensor, first: Int32,
+              stride: Int32, base: Int64, lane: Int32, d: cutlass.Constexpr) -> None:
+    """Per block, after the last :func:`fold_max`: lane ``i < 16`` adds block row ``warp_rows +
+    i``'s largest magnitude to word ``D + WORD_MAX`` of its KV row (``s_idx[first + i]``;
+    ``red.max`` of the fp32 bits) and resets its slot to 0."""
+    cute.arch.sync_warp()
+    if lane < 16:
+        red_fixed(base, s_idx[first + lane], stride, Int32(0), d + WORD_MAX,
+                  f32_bits(s_max[warp_rows + lane]), Int32(1), "max")
+        s_max[warp_rows + lane] = Float32(0.0)
+    cute.arch.sync_warp()
+
+
+__all__ = ["add_fixed", "f32_bits", "fixed_scales", "fold_max", "max_abs", "as_f32", "fixed_bits", "flush_max",
+           "launch_skipped", "ld_global_s32", "red_fixed"]

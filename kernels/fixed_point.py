@@ -1,0 +1,44 @@
+"""Layout of the deterministic backward's int32 fixed-point dKV accumulator (no ``cutlass``
+import: the runtime and the kernels share it).
+
+``dkv_fixed`` is int32 ``[s_kv + 1, D + PAD_WORDS]``. Row ``j < s_kv`` holds KV row ``j``:
+
+* words ``[0, D)``: the sum of ``rni(v * 2^k_j)`` over every dKV value ``v`` added to the row,
+  in the interleaved column order of :mod:`dsa_aot.kernels.dkv_interleave`. The kernel adds
+  the bits of ``fma(v, 2^k_j, 1.5 * 2^23)`` with ``red.global.add.u32``: for ``|v 2^k_j| <
+  2^22`` those bits are ``MAGIC_BITS + rni(v 2^k_j)``, so a row preset to ``-adds *
+  MAGIC_BITS`` (mod 2^32, ``adds`` the values each word receives) ends at the exact integer
+  sum. Integer adds commute: the bits do not depend on the order of the adds;
+* word ``D + WORD_SCALE``: ``2^k_j`` as fp32 bits, written by the runtime before the launch;
+* word ``D + WORD_MAX``: the largest ``|v|`` added to the row, as fp32 bits (``red.max.u32``;
+  non-finite values order above every finite one), which tells the runtime whether ``k_j``
+  was safe and a non-finite value reached the row.
+
+Row ``s_kv`` is the control row: word ``CONTROL_SKIP`` nonzero makes every CTA of the launch
+return at once (a conditional re-launch decided on the device, with no host sync).
+"""
+
+from __future__ import annotations
+
+#: int32 words after each row's ``D`` values (keeps rows 16-byte aligned at D 512 / 576).
+PAD_WORDS = 8
+#: Offsets from ``D`` of the scale and the largest-magnitude words.
+WORD_SCALE = 1
+WORD_MAX = 2
+#: Word of the control row (row ``s_kv``) whose nonzero value skips the launch.
+CONTROL_SKIP = 1
+#: fp32 bits of ``1.5 * 2^23``: ``fma(v, s, 1.5 * 2^23)`` has ``MAGIC_BITS + rni(v s)`` as bits
+#: while ``|v s| < 2^22``.
+MAGIC = 12582912.0
+MAGIC_BITS = 0x4B400000
+#: Largest ``log2`` of one scaled value: ``|v 2^k| < 2^VALUE_BITS``.
+VALUE_BITS = 22
+
+
+def row_words(d_qk: int) -> int:
+    """int32 words of one ``dkv_fixed`` row."""
+    return d_qk + PAD_WORDS
+
+
+__all__ = ["CONTROL_SKIP", "MAGIC", "MAGIC_BITS", "PAD_WORDS", "VALUE_BITS", "WORD_MAX",
+           "WORD_SCALE", "row_words"]
