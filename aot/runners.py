@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dsa_aot.fixed_point import fixed_point_dkv
 from dsa_aot.specs.shapes import D_V, SpecFields
 
 if TYPE_CHECKING:
@@ -171,7 +172,7 @@ class StagedBwd(BwdKernel):
     #: The tensors a backward call has, in the order :meth:`__call__` collects them.
     TENSORS = ("q", "kv", "out", "dout", "lse", "topk_idxs", "topk_length", "attn_sink", "delta",
                "lse_sink", "dq", "dkv", "dkv_acc", "d_sink_acc", "d_sink", "dkv_rows", "row_order",
-               "row_offsets")
+               "row_offsets", "dkv_fixed")
 
     def __init__(self, pre: BwdStage, main: BwdStage, post: BwdStage, spec: KernelSpec | SpecFields) -> None:
         from dsa_aot.backends.tilelang.launch import CubinKernel  # ctypes only; no compiler
@@ -239,6 +240,20 @@ class StagedBwd(BwdKernel):
         whole = (q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, delta, lse_sink, dq, dkv,
                  dkv_acc, d_sink_acc, d_sink, None, None, None)
         launch(pre, pre_names, whole)
+        if "dkv_fixed" in main.tensor_names:  # the fixed-point kernels (dsa_aot.fixed_point)
+            def run_group(r0: int, r1: int, fixed: torch.Tensor) -> None:
+                part = slice(r0, r1)
+                length = None if topk_length is None else topk_length[part]
+                launch(main, main_names, (q[part], kv, None, dout[part], None, topk_idxs[part],
+                                          length, None, delta[part], lse_sink[part], dq[part],
+                                          None, None, None, None, None, None, None, fixed))
+
+            dkv_acc.copy_(fixed_point_dkv(run_group, topk_idxs, topk_length, s_kv, d_qk, hb))
+            empty = torch.empty((0, d_qk), dtype=torch.bfloat16, device=dev)
+            order = torch.empty((0,), dtype=torch.int32, device=dev)
+            offsets = torch.zeros((s_kv + 1,), dtype=torch.int32, device=dev)
+            launch(post, post_names, whole[:15] + (empty, order, offsets))
+            return dq, dkv, d_sink
         rows_per_chunk = deterministic_chunk_rows(s_q, topk, hb, d_qk,
                                                   _settings.get().deterministic_workspace)
         if s_q == 0:  # no row: dkv is the zero sum, d_sink the fold of the (empty) partials

@@ -33,7 +33,7 @@ STAGE_PARAMS: dict[str, frozenset[str]] = {
     "bwd_preprocess": frozenset({"out", "dout", "lse", "attn_sink", "delta", "lse_sink", "d_sink",
                                  "d_sink_acc", "softmax_scale", "s_q"}),
     "bwd_main": frozenset({"q", "kv", "dout", "topk_idxs", "topk_length", "lse_sink", "delta", "dq",
-                           "dkv_acc", "dkv_rows", "softmax_scale", "s_q", "s_kv", "topk"}),
+                           "dkv_acc", "dkv_rows", "dkv_fixed", "softmax_scale", "s_q", "s_kv", "topk"}),
     "bwd_postprocess": frozenset({"dkv_acc", "dkv_rows", "row_order", "row_offsets", "dkv",
                                   "d_sink_acc", "d_sink", "row_group", "s_kv"}),
 }

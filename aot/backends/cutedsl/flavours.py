@@ -60,14 +60,13 @@ BWD_MAIN_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma", "sm_100a": "mma"}
 BWD_MAIN_DEFAULT_IMPL_BY_HEADS: dict[tuple[str, int], str] = {
     ("sm_90a", 16): "wgmma_ws_slot_major", ("sm_90a", 32): "wgmma_ws_slot_major",
     ("sm_90a", 64): "wgmma_ws", ("sm_90a", 128): "wgmma_ws"}
-#: ... and in the deterministic mode, where no atomics are left to hide: the slot-major kernel
-#: at H16/H32, whose two warpgroups share every phase (main kernel 4.59 vs 5.29 ms at H32 D576,
-#: bench/results/h200_bwd_versions.md).
-BWD_MAIN_DETERMINISTIC_DEFAULT_IMPL_BY_HEADS: dict[tuple[str, int], str] = {
-    ("sm_90a", 16): "wgmma_slot_major", ("sm_90a", 32): "wgmma_slot_major"}
+#: ... and in the deterministic mode: the same flavours, which add int32 fixed point where the
+#: fast mode adds fp32 (dsa_aot.fixed_point); the slot-major kernel's stored-rows mode is opt-in.
+BWD_MAIN_DETERMINISTIC_DEFAULT_IMPL_BY_HEADS: dict[tuple[str, int], str] = {}
 
 
-#: The backward main flavours with a deterministic mode (stored per-slot dkv rows), sm_90a only.
+#: The backward main flavours with a deterministic mode, sm_90a only: fixed-point adds
+#: (wgmma_ws, wgmma_ws_slot_major) or stored per-slot dkv rows (wgmma_slot_major).
 DETERMINISTIC_BWD_MAIN_IMPLS: tuple[str, ...] = ("wgmma_ws", "wgmma_slot_major",
                                                  "wgmma_ws_slot_major")
 

@@ -1,0 +1,179 @@
+"""The deterministic backward's fixed-point protocol (dsa_aot.fixed_point) on the CPU.
+
+``launch`` here models the main kernel's side of the contract exactly: per group of query rows,
+every valid slot adds its dKV row's values as the bits of ``fma(v, 2^k_j, 1.5 * 2^23)`` (uint32
+adds), ``red.max``-es the fp32 bits of the largest ``|v|`` into word ``D + WORD_MAX`` and does
+nothing when the control row's skip word is set. Its dKV rows are random, with magnitudes that
+differ by row and by group (the cases that force a re-launch), so the test checks the scales
+the runtime picks, the re-launch, the fold and the bits, not a kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dsa_aot import fixed_point as fp
+from dsa_aot.kernels.dkv_interleave import dkv_acc_column
+from dsa_aot.kernels.fixed_point import CONTROL_SKIP, MAGIC, WORD_MAX, WORD_SCALE
+
+D = 64
+
+
+class ModelKernel:
+    """The main kernel's fixed-point adds for given per-slot dKV rows (``rows[t, slot, h]``,
+    natural columns), in a chosen add order."""
+
+    def __init__(self, idx: torch.Tensor, rows: torch.Tensor, s_kv: int, order_seed: int = 0):
+        self.idx, self.rows, self.s_kv = idx, rows, s_kv
+        self.rng = np.random.default_rng(order_seed)
+        self.launches = 0
+        self.skipped = 0
+        self.interleaved = [dkv_acc_column(c) for c in range(D)]
+
+    def __call__(self, r0: int, r1: int, fixed: torch.Tensor) -> None:
+        self.launches += 1
+        if int(fixed[self.s_kv, CONTROL_SKIP]) != 0:
+            self.skipped += 1
+            return
+        words = fixed.numpy().view(np.uint32)
+        adds = [(t, s, h) for t in range(r0, r1) for s in range(self.idx.shape[1])
+                for h in range(self.rows.shape[2]) if 0 <= int(self.idx[t, s]) < self.s_kv]
+        for n in self.rng.permutation(len(adds)):
+            t, s, h = adds[n]
+            j = int(self.idx[t, s])
+            v = self.rows[t, s, h].numpy().astype(np.float32)
+            scale = words[j, D + WORD_SCALE:D + WORD_SCALE + 1].view(np.float32)[0]
+            bits = (v * np.float32(scale) + np.float32(MAGIC)).astype(np.float32).view(np.uint32)
+            with np.errstate(over="ignore"):
+                words[j, self.interleaved] += bits
+            peak = np.abs(v).max().view(np.uint32) if not np.isnan(v).any() else np.uint32(0x7FFFFFFF)
+            words[j, D + WORD_MAX] = max(words[j, D + WORD_MAX], peak)
+
+
+def case(s_q: int, s_kv: int, topk: int, heads: int, seed: int = 0, spread: float = 8.0):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(-2, s_kv, (s_q, topk), generator=g, dtype=torch.int32)
+    # per KV row a magnitude 2^[-spread, spread], per query row another factor: later groups
+    # see rows much larger than the first one did
+    row_mag = torch.exp2((torch.rand(s_kv, generator=g) * 2 - 1) * spread)
+    q_mag = torch.exp2(torch.rand(s_q, generator=g) * 6 - 3)
+    rows = torch.randn((s_q, topk, heads, D), generator=g)
+    rows *= row_mag[idx.clamp(0, s_kv - 1).long()][..., None, None] * q_mag[:, None, None, None]
+    return idx, rows
+
+
+def reference(idx, rows, s_kv):
+    ref = torch.zeros((s_kv, D), dtype=torch.float64)
+    for t in range(idx.shape[0]):
+        for s in range(idx.shape[1]):
+            j = int(idx[t, s])
+            if 0 <= j < s_kv:
+                ref[j] += rows[t, s].double().sum(0)
+    return ref
+
+
+@pytest.fixture(autouse=True)
+def small_groups(monkeypatch):
+    """Groups of 4 then 8 query rows: several groups in a small case."""
+    monkeypatch.setattr(fp, "FIRST_GROUP_ROWS", 4)
+    monkeypatch.setattr(fp, "GROUP_ROWS", 8)
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_sums_match_the_fp64_reference_and_bits_ignore_the_add_order(heads):
+    idx, rows = case(s_q=30, s_kv=12, topk=6, heads=heads)
+    out = [fp.fixed_point_dkv(ModelKernel(idx, rows, 12, order_seed=o), idx, None, 12, D, heads)
+           for o in range(3)]
+    assert all(torch.equal(out[0], o) for o in out[1:])
+    ref = reference(idx, rows, 12)
+    err = float((out[0].double() - ref).norm() / ref.norm())
+    assert not torch.isnan(out[0]).any()
+    assert err < 1e-5, err
+
+
+def test_a_later_group_far_above_the_first_is_redone_and_exact():
+    idx, rows = case(s_q=20, s_kv=6, topk=5, heads=1, spread=1.0)
+    rows[12:] *= 2.0 ** 12  # the third group's values: 4096x anything seen before
+    kernel = ModelKernel(idx, rows, 6)
+    out = fp.fixed_point_dkv(kernel, idx, None, 6, D, 1)
+    ref = reference(idx, rows, 6)
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
+    # groups [0, 4), [4, 12), [12, 20): the first is redone, the second not, the third is
+    assert (kernel.launches, kernel.skipped) == (6, 1)
+
+
+def test_a_later_group_far_below_the_first_is_redone_for_precision():
+    idx, rows = case(s_q=20, s_kv=6, topk=5, heads=1, spread=1.0)
+    rows[12:] *= 2.0 ** -20
+    kernel = ModelKernel(idx, rows, 6)
+    out = fp.fixed_point_dkv(kernel, idx, None, 6, D, 1)
+    part = reference(idx[12:], rows[12:], 6)
+    small = fp.fixed_point_dkv(ModelKernel(idx[12:], rows[12:], 6), idx[12:], None, 6, D, 1)
+    assert kernel.skipped == 1
+    assert float((small.double() - part).norm() / part.norm()) < 1e-5
+    assert float((out.double() - reference(idx, rows, 6)).norm()) < 1e-5 * float(
+        reference(idx, rows, 6).norm())
+
+
+def test_compact_lengths_and_padding_add_nothing():
+    idx, rows = case(s_q=10, s_kv=8, topk=6, heads=1)
+    length = torch.tensor([0, 6, 3, 9, -1, 2, 6, 1, 4, 5], dtype=torch.int32)
+    masked = idx.clone()
+    masked[torch.arange(6)[None, :] >= length.clamp(0, 6)[:, None]] = -1
+    out = fp.fixed_point_dkv(ModelKernel(masked, rows, 8), idx, length, 8, D, 1)
+    ref = reference(masked, rows, 8)
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
+    untouched = torch.ones(8, dtype=torch.bool)
+    untouched[masked[masked >= 0].long()] = False
+    assert torch.equal(out[untouched], torch.zeros_like(out[untouched]))
+
+
+def test_a_non_finite_value_makes_its_row_nan_only():
+    idx, rows = case(s_q=10, s_kv=8, topk=4, heads=1)
+    t, s = 5, 1
+    idx[t, s] = 3
+    rows[t, s, 0, 7] = float("inf")
+    out = fp.fixed_point_dkv(ModelKernel(idx, rows, 8), idx, None, 8, D, 1)
+    assert torch.isnan(out[3]).all()
+    others = [j for j in range(8) if j != 3]
+    assert not torch.isnan(out[others]).any()
+
+
+def test_the_count_bound_keeps_every_int32_sum_in_range():
+    adds = torch.tensor([1, 2, 3, 4, 511, 512, 513, 65597, 1 << 20], dtype=torch.int32)
+    base = fp.value_bits_bound(adds)
+    assert base.tolist() == [22, 22, 22, 22, 22, 21, 21, 14, 10]
+    assert all(a * 2 ** b < 2 ** 31 for a, b in zip(adds.tolist(), base.tolist()))
+    assert all(a * 2 ** (b + 1) >= 2 ** 31 for a, b in zip(adds.tolist(), base.tolist()) if b < 22)
+
+
+def test_preset_cancels_the_magic_bits_of_every_add():
+    adds = torch.tensor([0, 1, 7, 4096, 1 << 20], dtype=torch.int32)
+    preset = fp.preset_words(adds).numpy().view(np.uint32).astype(np.uint64)
+    magic = np.uint64(np.float32(MAGIC).view(np.uint32))
+    assert ((preset + adds.numpy().astype(np.uint64) * magic) % (1 << 32) == 0).all()
+
+
+def test_exponents_scales_and_the_median_guess():
+    bits = torch.tensor([0, 0x3F800000, 0x3FFFFFFF, 0x7F800000, 0x00000001], dtype=torch.int32)
+    assert fp.magnitude_exponent(bits).tolist() == [-126, 1, 1, 129, -126]
+    k = torch.tensor([-126, -1, 0, 5, 126], dtype=torch.int32)
+    scales = fp.scale_bits(k).numpy().view(np.float32)
+    assert scales.tolist() == [2.0 ** -126, 0.5, 1.0, 32.0, 2.0 ** 126]
+    seen = torch.tensor([True, False, True, True, False])
+    seen_e = torch.tensor([3, 0, -5, 10, 0], dtype=torch.int32)
+    guess = fp.exponent_guess(seen, seen_e)
+    assert guess.tolist() == [3 + 4, 3 + 4, -5 + 4, 10 + 4, 3 + 4]
+    none = fp.exponent_guess(torch.zeros(3, dtype=torch.bool), torch.zeros(3, dtype=torch.int32))
+    assert none.tolist() == [fp.DEFAULT_EXPONENT + fp.MARGIN_BITS] * 3
+
+
+def test_group_bounds_and_adds():
+    assert fp.group_bounds(0) == []
+    assert fp.group_bounds(3) == [(0, 3)]
+    assert fp.group_bounds(21) == [(0, 4), (4, 12), (12, 20), (20, 21)]
+    idx = torch.tensor([[0, 0, 2], [1, -1, 5], [2, 2, 2], [0, 1, 2], [3, 3, 9]], dtype=torch.int32)
+    adds = fp.group_adds(idx, None, 4, 2, fp.group_bounds(5))
+    assert adds.tolist() == [[6, 4, 10, 0], [0, 0, 0, 4]]
