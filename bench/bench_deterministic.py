@@ -3,9 +3,9 @@
     DSA_AOT_PREBUILT_DIR=<prebuilt cache> python bench/bench_deterministic.py --out bench/results/h200_deterministic.json
 
 For each row (the DeepSeek shapes of the backward benchmark: S_q 4096, S_kv 8192): the CuTe DSL
-backward's fast mode (fp32 atomics into one dkv accumulator) and its deterministic mode (every
-slot's dkv row stored, then summed per KV row in a fixed order; d_sink partial sums added in a
-fixed order) through the public API,
+backward's fast mode (fp32 atomics into one dkv accumulator) and its deterministic mode (the same
+kernels adding int32 fixed point per group of query rows, folded in order,
+:mod:`dsa_aot.fixed_point`; d_sink partial sums added in a fixed order) through the public API,
 CUDA events, median of ``--reps`` after warm-up, interleaved rounds (the best round per mode); how
 far two fast calls differ (bits), whether ``--repeat`` deterministic calls agree bit for bit, both
 modes' relative difference to each other and to the fp32 torch reference (dkv), and the
@@ -27,7 +27,8 @@ from common import bwd_flops, environment, make_inputs, time_cuda  # noqa: E402
 import dsa_aot  # noqa: E402
 from dsa_aot import settings  # noqa: E402
 from dsa_aot.kernels.reference import sparse_mla_bwd_ref  # noqa: E402
-from dsa_aot.runners import deterministic_chunk_rows, head_blocks  # noqa: E402
+from dsa_aot.fixed_point import group_bounds  # noqa: E402
+from dsa_aot.kernels.fixed_point import row_words  # noqa: E402
 
 #: (S_q, S_kv, H, D_qk, K): the backward benchmark's rows.
 ROWS = [(4096, 8192, 64, 576, 2048), (4096, 8192, 128, 576, 2048), (4096, 8192, 128, 512, 1024),
@@ -63,11 +64,11 @@ def measure(x: dict, out: torch.Tensor, lse: torch.Tensor, reps: int, rounds: in
 
 
 def workspace_bytes(s_q: int, s_kv: int, heads: int, d_qk: int, topk: int) -> int:
-    """The deterministic call's dkv workspace: one chunk's bf16 dkv rows, the fp32 running sum
-    and the row order (int32, at least one entry per stored row)."""
-    hb = head_blocks(heads)
-    rows = min(s_q, deterministic_chunk_rows(s_q, topk, hb, d_qk, settings.get().deterministic_workspace))
-    return rows * topk * hb * (d_qk * 2 + 4) + s_kv * d_qk * 4
+    """The deterministic call's dkv workspace: the int32 fixed-point rows (with their scale, max
+    and control words), the fp32 total and accumulator, the per-group add counts and one
+    group's preset."""
+    groups = len(group_bounds(s_q))
+    return (s_kv + 1) * row_words(d_qk) * 4 + 3 * s_kv * d_qk * 4 + groups * (s_kv + 1) * 4
 
 
 def main() -> int:

@@ -66,7 +66,7 @@ def test_requests_carry_the_variant_to_every_stage():
     assert all(r.deterministic and r.compile_params["deterministic"] for r in requests)
     assert requests[1].compile_params["impl"] == "wgmma_ws"  # the fast mode's kernel at H128
     h16 = requests_for(KernelSpec(**{**spec.model_dump(), "heads": 16}), ("bwd_main",))
-    assert h16[0].compile_params["impl"] == "wgmma_slot_major"
+    assert h16[0].compile_params["impl"] == "wgmma_ws_slot_major"  # the fast mode's kernel too
     fast = requests_for(spec.model_copy(update={"deterministic": False}), BACKENDS["cutedsl"].stages["bwd"])
     assert not any(r.deterministic or "deterministic" in r.compile_params for r in fast)
     for flavour in ("mma", "wgmma"):
@@ -87,12 +87,12 @@ def test_build_records_the_deterministic_abi(tmp_path):
     assert all(r.deterministic and r.name.endswith("_det_static") for r in records.values())
     tensors = {name: {a.name: len(a.shape) for a in r.args if a.kind == "tensor"} for name, r in records.items()}
     assert tensors["bwd_preprocess"]["d_sink_acc"] == 2 and "d_sink" not in tensors["bwd_preprocess"]
-    assert tensors["bwd_main"]["dkv_rows"] == 3 and "dkv_acc" not in tensors["bwd_main"]
+    assert tensors["bwd_main"]["dkv_fixed"] == 2 and "dkv_acc" not in tensors["bwd_main"]
     assert tensors["bwd_postprocess"] == {"dkv_rows": 2, "row_order": 1, "row_offsets": 1,
                                           "dkv_acc": 2, "dkv": 2, "d_sink_acc": 2, "d_sink": 1}
     assert [a.name for a in records["bwd_postprocess"].args if a.kind == "scalar"] == ["row_group"]
     dtypes = {a.name: a.dtype for a in records["bwd_main"].args if a.kind == "tensor"}
-    assert dtypes["dkv_rows"] == "bfloat16"
+    assert dtypes["dkv_fixed"] == "int32"
     dtypes = {a.name: a.dtype for a in records["bwd_postprocess"].args if a.kind == "tensor"}
     assert (dtypes["row_order"], dtypes["row_offsets"], dtypes["dkv_acc"]) == ("int32", "int32", "float32")
 
