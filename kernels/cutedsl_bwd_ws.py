@@ -136,7 +136,8 @@ def shared_storage(d_qk: int, heads: int = BLOCK_H) -> tuple[dict[str, cute.Comp
                "s_valid": align[mem[Int32, 2 * BLOCK_N], 16],
                "s_lse": align[mem[Float32, heads], 16],
                "s_delta": align[mem[Float32, heads], 16],
-               "s_max": align[mem[Float32, BLOCK_N], 16]}
+               "s_max": align[mem[Float32, BLOCK_N], 16],
+               "s_rows": align[mem[Int32, BLOCK_N], 16]}
     # built from a dict: this module's annotations are strings (postponed evaluation)
     SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
     return lay, SharedStorage
@@ -167,6 +168,7 @@ def ws_smem_views(storage: object, layouts: tuple, heads: int) -> dict:
         "lse": storage.s_lse.get_tensor(cute.make_layout(heads)),
         "delta": storage.s_delta.get_tensor(cute.make_layout(heads)),
         "max": storage.s_max.get_tensor(cute.make_layout(BLOCK_N)),
+        "rows": storage.s_rows.get_tensor(cute.make_layout(BLOCK_N)),
     }
 
 
@@ -181,6 +183,9 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                          impl="wgmma", deterministic=deterministic)
         self.impl = IMPL
         self.fixed_point = deterministic
+        #: whether the dKV warpgroup copies a block's KV rows out of the double-buffered
+        #: ``s_idx`` (needed where the score warpgroup can refill it first: slot-major)
+        self.copy_rows = False
         #: dQ column tiles of warpgroup 0; at D 576 the fixed-point mode moves a fifth one
         #: there (warpgroup 1's adds need the registers: 8 bytes of spills otherwise)
         self.score_dq_tiles = SCORE_DQ_TILES + (1 if deterministic and d_qk == 576 else 0)
@@ -471,10 +476,18 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                                   r_kt[i][None, None, k], acc_dq[i])
                 warpgroup.commit_group()
             row_ok, row_ptr, fixed = [], [], []
-            if cutlass.const_expr(self.fixed_point):  # row_max: this block's, per own row
-                fixed = [sm["idx"], buf + warp_rows, fixed_stride,
-                         fixed_scales(m_dkv, sm["idx"], buf + warp_rows, lane, d), fixed_base,
-                         sm["max"], warp_rows]
+            rows, first = sm["idx"], buf + warp_rows
+            if cutlass.const_expr(self.fixed_point and self.copy_rows):
+                # the block's KV rows, this warp's 16, into warpgroup 1's own slots: the adds
+                # read them after PDS_EMPTY, when the slot-major score warpgroup may gather
+                # block b + 2 into this half of the index buffer (here it waits on KV_EMPTY)
+                if lane < 16:
+                    sm["rows"][warp_rows + lane] = sm["idx"][buf + warp_rows + lane]
+                cute.arch.sync_warp()
+                rows, first = sm["rows"], warp_rows
+            if cutlass.const_expr(self.fixed_point):
+                fixed = [rows, first, fixed_stride, fixed_scales(m_dkv, rows, first, lane, d),
+                         fixed_base, sm["max"], warp_rows, rows, first]
             else:
                 slots = self.dkv_slots(buf, kv_coords, lane)
                 row_ok = [sm["valid"][s] for s in slots]
@@ -505,8 +518,8 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
             self.add_chunk(wg_rows_cols(acc_kv[(n_chunks - 1) % 2]), kv_coords, row_ok, row_ptr,
                            fixed, (n_chunks - 1) * TILE, lane)
             if cutlass.const_expr(self.fixed_point):
-                flush_max(sm["max"], warp_rows, sm["idx"], buf + warp_rows, fixed_stride,
-                          fixed_base, lane, d)
+                flush_max(sm["max"], warp_rows, fixed[7], fixed[8], fixed_stride, fixed_base,
+                          lane, d)
 
         if cutlass.const_expr(n_dq > 0):
             self.store_dq(t, hb, m_dq, acc_dq, thr_dq, self.score_dq_tiles)

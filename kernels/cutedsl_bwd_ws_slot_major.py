@@ -126,6 +126,7 @@ class SparseMlaBwdWsSlotMajor(SparseMlaBwdWs):
                                   scatter=scatter, impl="wgmma", deterministic=deterministic)
         self.impl = IMPL
         self.fixed_point = deterministic
+        self.copy_rows = True  # block b + 2's gather follows PDS_EMPTY (see dkv_warpgroup)
         self.gather_threads = WG_THREADS  # warpgroup 0 gathers, 64 rows a block
         self.score_dq_tiles = d_qk // TILE  # every dQ^T tile: warpgroup 1 computes none
         self.cta_heads = heads
