@@ -47,12 +47,10 @@ def fixed_bits(v: Float32, scale: Float32, *, loc=None, ip=None) -> Int32:
 
 @cutlass.dsl_user_op
 def max_abs(m: Float32, v: Float32, *, loc=None, ip=None) -> Float32:
-    """``max.NaN(m, |v|)``: the running largest magnitude, NaN once any value was NaN. Marked
-    as having side effects so that the compiler keeps it where it is: sunk to the block's end,
-    where its result is used, it would keep a copy of every accumulator value alive."""
+    """``max.NaN(m, |v|)``: the running largest magnitude, NaN once any value was NaN."""
     return Float32(_asm(Float32.mlir_type, [Float32(m), Float32(v)],
                         "{ .reg .f32 t; abs.f32 t, $2; max.NaN.f32 $0, $1, t; }", "=f,f,f",
-                        True, loc, ip))
+                        False, loc, ip))
 
 
 @cutlass.dsl_user_op
@@ -86,6 +84,22 @@ def red_fixed(base: Int64, row: Int32, stride: Int32, lane_word: Int32, word: cu
 
 
 @cutlass.dsl_user_op
+def red_add_pair(base: Int64, row: Int32, stride: Int32, lane_word: Int32, first_byte: cutlass.Constexpr,
+                 second_byte: cutlass.Constexpr, v0: Int32, v1: Int32, *, loc=None,
+                 ip=None) -> None:
+    """Two ``red.relaxed.gpu.global.add.u32`` into one ``dkv_fixed`` row (``row >= 0``): ``v0``
+    and ``v1`` at byte offsets ``first_byte`` / ``second_byte`` (immediates) from word ``row *
+    stride + lane_word``. One address for both; made inside the block so that the compiler
+    cannot keep one pointer per row, group and chunk alive across the block loop."""
+    _asm(None, [Int64(base), Int32(row), Int32(stride), Int32(lane_word), Int32(v0), Int32(v1)],
+         "{ .reg .pred p; .reg .s32 w; .reg .b64 a; setp.ge.s32 p, $1, 0; "
+         "mad.lo.s32 w, $1, $2, $3; mad.wide.s32 a, w, 4, $0; "
+         f"@p red.relaxed.gpu.global.add.u32 [a+{int(first_byte)}], $4; "
+         f"@p red.relaxed.gpu.global.add.u32 [a+{int(second_byte)}], $5; }}",
+         "l,r,r,r,r,r", True, loc, ip)
+
+
+@cutlass.dsl_user_op
 def ld_global_s32(addr: Int64, *, loc=None, ip=None) -> Int32:
     """One 4-byte load from global ``addr`` that is not cached in L1 (``ld.global.cg``): the
     runtime wrote it just before the launch."""
@@ -104,85 +118,85 @@ def launch_skipped(m_dkv: cute.Tensor, s_kv: Int32) -> Int32:
 @cute.jit
 def fixed_scales(m_dkv: cute.Tensor, s_idx: cute.Tensor, first: Int32, lane: Int32,
                  d: cutlass.Constexpr) -> list:
-    """Per block: ``2^k`` of this lane's own rows, ``scales[2 r + s]`` for block row ``8 r + 2
-    (lane / 8) + s`` after ``first`` (the ``s_idx`` position of the warp's first row, ``buf + 16
-    warp``); 0 for an invalid slot (``s_idx`` -1)."""
+    """Per block: ``2^k`` of this lane's own rows, ``scales[r]`` for block row ``8 r + lane / 4``
+    after ``first`` (the ``s_idx`` position of the warp's first row); 0 for an invalid slot
+    (``s_idx`` -1)."""
     stride = Int32(m_dkv.stride[0])
     base = m_dkv.iterator.toint()
-    pair = lane // 8
     scales = []
     for r in cutlass.range_constexpr(2):
-        for s in cutlass.range_constexpr(2):
-            row = s_idx[first + 8 * r + 2 * pair + s]
-            bits = Int32(0)
-            if row >= 0:
-                bits = ld_global_s32(base + Int64(row * stride + d + WORD_SCALE) * 4)
-            scales.append(as_f32(bits))
+        row = s_idx[first + 8 * r + lane // 4]
+        bits = Int32(0)
+        if row >= 0:
+            bits = ld_global_s32(base + Int64(row * stride + d + WORD_SCALE) * 4)
+        scales.append(as_f32(bits))
     return scales
 
 
 def add_fixed(acc: cute.Tensor, s_idx: cute.Tensor, first: Int32, stride: Int32, scales: list,
               base: Int64, col0: cutlass.Constexpr, lane: Int32) -> list:
     """Add one ``(64 slots, 64 columns)`` dKV chunk of a warpgroup accumulator (``acc`` as a
-    ``(rows, cols)`` view) to ``dkv_fixed`` at ``base``; ``col0``: the chunk's
-    first column. ``row_max[2 r + s]`` keeps the largest ``abs_bits`` of this lane's own rows.
+    ``(rows, cols)`` view) to ``dkv_fixed`` at ``base``; ``col0``: the chunk's first column.
+    Returns the largest ``|v|`` of this lane's values per fragment row (NaN if any was).
 
-    Per fragment row and 32-column group a lane holds 8 values; as in the fast mode it keeps 4
-    and trades 4 with the neighbouring quad (``lane ^ 4``), so that quad pair ``P`` holds the
-    group's 32 values of its lower row (side 0) and of its upper row (side 1), lane ``q`` of the
-    pair the 4 at interleaved words ``w = 4 (q % 4) + 16 ((q / 4) ^ side)``. A 4 x 4 transpose
-    over the pairs (``lane ^ 8``, then ``lane ^ 16``) leaves lane ``(P, q)`` with word ``w + P`` of
-    each pair's row ``R``: add ``R`` of the warp covers the 32 words (128 bytes) of row ``R``."""
+    A lane holds, per fragment row ``r`` and 32-column group, 8 values of its row ``8 r + lane /
+    4``: each becomes ``fma(v, 2^k, 1.5 2^23)``'s bits with that row's scale. As in the fast
+    mode it keeps 4 and trades 4 with the neighbouring quad (``lane ^ 4``), so that quad pair
+    ``P`` holds the group's 32 values of its lower row (side 0) and of its upper row (side 1),
+    lane ``q`` of the pair the 4 at interleaved words ``w = 4 (q % 4) + 16 ((q / 4) ^ side)``. A
+    4 x 4 transpose over the pairs (``lane ^ 8``, then ``lane ^ 16``) leaves lane ``(P, q)`` with
+    word ``w + P`` of each pair's row ``R``: one add of the warp covers the 32 words (128 bytes)
+    of row ``R``; the two groups of a chunk share the address."""
     rows = cute.size(acc, mode=[0])
-    cols = cute.size(acc, mode=[1])
-    row_max = [Float32(0.0)] * 4
     upper = (lane // 4) % 2
     quad = lane % 4
     pair = lane // 8
-    bit0 = pair % 2
-    bit1 = pair // 2
+    bits = ((pair % 2) == 0, (pair // 2) == 0)
+    row_max = []
     for r in range(rows):
-        for g in range(cols // 8):
-            own = [acc[r, 8 * g + i] for i in range(4)]
-            got = [cute.arch.shuffle_sync_bfly(acc[r, 8 * g + 4 + i], offset=4) for i in range(4)]
+        peak = Float32(0.0)
+        moved = {}
+        for g in range(2):
+            ints = []
+            for i in range(8):
+                v = acc[r, 8 * g + i]
+                peak = max_abs(peak, v)
+                ints.append(fixed_bits(v, scales[r]))
+            got = [cute.arch.shuffle_sync_bfly(ints[4 + i], offset=4) for i in range(4)]
             for side in range(2):
-                k = 2 * r + side
-                x = [Int32(0)] * 4
-                for i in range(4):
-                    v = _select(upper == side, own[i], got[i])
-                    x[i] = fixed_bits(v, scales[k])
-                    row_max[k] = max_abs(row_max[k], v)
+                x = [_select(upper == side, ints[i], got[i]) for i in range(4)]
                 for stage in range(2):
-                    bit_zero = (bit0 if stage == 0 else bit1) == 0
                     for j in range(2):
                         lo = 2 * j if stage == 0 else j
                         hi = lo + (1 if stage == 0 else 2)
-                        a = x[lo]
-                        b = x[hi]
-                        came = cute.arch.shuffle_sync_bfly(_select(bit_zero, b, a),
+                        keep = bits[stage]
+                        came = cute.arch.shuffle_sync_bfly(_select(keep, x[hi], x[lo]),
                                                            offset=8 << stage)
-                        x[lo] = _select(bit_zero, a, came)
-                        x[hi] = _select(bit_zero, came, b)
-                lane_word = 4 * quad + 16 * (upper ^ side) + pair
-                for big_r in range(4):
-                    red_fixed(base, s_idx[first + 8 * r + 2 * big_r + side], stride,
-                              lane_word, col0 + 32 * g, x[big_r], Int32(1))
+                        x[lo], x[hi] = _select(keep, x[lo], came), _select(keep, came, x[hi])
+                moved[g, side] = x
+        row_max.append(peak)
+        for side in range(2):
+            lane_word = 4 * quad + 16 * (upper ^ side) + pair
+            for big_r in range(4):
+                red_add_pair(base, s_idx[first + 8 * r + 2 * big_r + side], stride, lane_word,
+                             4 * col0, 4 * (col0 + 32), moved[0, side][big_r],
+                             moved[1, side][big_r])
     return row_max
 
 
 @cute.jit
 def fold_max(row_max: list, s_max: cute.Tensor, warp_rows: Int32, lane: Int32) -> None:
     """Per chunk: each of this warp's 16 rows' largest magnitude so far into ``s_max`` (shared
-    fp32, one slot a block row): the max over the row's quad pair, then a read-modify-write by
-    the pair's first lane, the slot's only writer (``warp_rows``: the warp's first block row).
-    A running max kept in registers across the chunks makes ptxas spill; the slot costs none."""
-    pair = lane // 8
-    for k in cutlass.range_constexpr(4):
-        m = row_max[k]
-        for off in (1, 2, 4):
+    fp32, one slot a block row): the max over the row's quad (``row_max[r]``: the lane's, of
+    block row ``8 r + lane / 4``), then a read-modify-write by the quad's first lane, the slot's
+    only writer (``warp_rows``: the warp's first block row). A running max kept in registers
+    across the chunks makes ptxas spill; the slot costs none."""
+    for r in cutlass.range_constexpr(2):
+        m = row_max[r]
+        for off in (1, 2):
             m = max_abs(m, cute.arch.shuffle_sync_bfly(m, offset=off))
-        slot = warp_rows + 8 * (k // 2) + 2 * pair + k % 2
-        if lane % 8 == 0:
+        slot = warp_rows + 8 * r + lane // 4
+        if lane % 4 == 0:
             s_max[slot] = max_abs(s_max[slot], m)
 
 
@@ -201,4 +215,4 @@ def flush_max(s_max: cute.Tensor, warp_rows: Int32, s_idx: cute.Tensor, first: I
 
 
 __all__ = ["add_fixed", "f32_bits", "fixed_scales", "fold_max", "max_abs", "as_f32", "fixed_bits", "flush_max",
-           "launch_skipped", "ld_global_s32", "red_fixed"]
+           "launch_skipped", "ld_global_s32", "red_add_pair", "red_fixed"]
