@@ -176,8 +176,7 @@ def fixed_point_dkv(launch: MainLaunch, topk_idxs: torch.Tensor, topk_length: to
         seen_e.copy_(torch.where(has & seen, torch.maximum(seen_e, measured),
                                  torch.where(has, measured, seen_e)))
         seen |= has
-    total[bad] = float("nan")
-    return total
+    return torch.where(bad[:, None], float("nan"), total)  # no boolean indexing: no host sync
 
 
 __all__ = ["DEFAULT_EXPONENT", "FIRST_GROUP_ROWS", "GROUP_ROWS", "K_MAX", "K_MIN", "MARGIN_BITS",
