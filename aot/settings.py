@@ -183,9 +183,10 @@ class Settings:
     #: The backward's default when a call does not say: bit-identical gradients for the same
     #: inputs (``deterministic=True``). ``DSA_AOT_DETERMINISTIC`` (default 0).
     deterministic: bool = False
-    #: Most bytes of the deterministic backward's per-slot dKV rows (bf16, one per query row,
-    #: top-k slot, 64-head block and column) held at once; a larger call runs in chunks of query
-    #: rows. ``DSA_AOT_DETERMINISTIC_WORKSPACE`` (default 4G).
+    #: The stored-rows deterministic mode (``tile.flavour="wgmma_slot_major"``; the default
+    #: kernels add fixed point and need no such buffer): most bytes of per-slot dKV rows (bf16,
+    #: one per query row, top-k slot, 64-head block and column) held at once; a larger call runs
+    #: in chunks of query rows. ``DSA_AOT_DETERMINISTIC_WORKSPACE`` (default 4G).
     deterministic_workspace: int = 4 << 30
 
     @classmethod
