@@ -40,11 +40,12 @@ gathers the row's KV rows from L2). ``dQ`` stays in registers over the
 row (64 x 256 fp32 in warpgroup 0, 64 x 320 at D 576 / 64 x 256 at D 512 in warpgroup 1) and is
 stored as bf16 at the end (0 for a row without a valid slot).
 
-Deterministic mode (``deterministic=True``): instead of adding dKV atomically, warpgroup 1 stores
-each valid slot's dKV row of this CTA's 64 heads (bf16) into ``dkv_rows`` [s_q * topk, head
-blocks, D] (:meth:`SparseMlaBwdMain.scatter_chunk`), one writer per row; the deterministic
-postprocess sums every KV row's stored rows in a fixed order. Nothing else changes (dQ is a
-per-row register sum, fixed order).
+Deterministic mode (``deterministic=True``): warpgroup 1 adds int32 fixed point into
+``dkv_fixed`` [s_kv + 1, D + 8] instead of fp32 into ``dkv_acc``
+(:mod:`dsa_aot.kernels.cutedsl_fixed_point`, layout :mod:`dsa_aot.kernels.fixed_point`): the same
+whole-line adds, order-free; a launch whose control word is set returns at once. At D 576 the
+score warpgroup takes a fifth dQ tile (the adds need warpgroup 1's registers). dQ is a per-row
+register sum, fixed order, in both modes.
 
 This module imports ``cutlass``: use it in a build process only.
 """

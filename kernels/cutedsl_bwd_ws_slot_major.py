@@ -42,13 +42,14 @@ tiles at H 32 D 576), one CTA of two warpgroups per SM (registers: 198-236 a thr
 (0 for a row without a valid slot). Warpgroup 1 is
 :meth:`~dsa_aot.kernels.cutedsl_bwd_ws.SparseMlaBwdWs.dkv_warpgroup` with no ``dQ`` tiles.
 
-Deterministic mode (``deterministic=True``): each valid slot's dKV row is stored (bf16) into
-``dkv_rows`` [s_q * topk, 1, D] instead of added atomically, as in :mod:`.cutedsl_bwd_ws`.
+Deterministic mode (``deterministic=True``): int32 fixed-point adds into ``dkv_fixed``, as in
+:mod:`.cutedsl_bwd_ws`; the dKV warpgroup first copies the block's KV rows out of the
+double-buffered index array (the score warpgroup refills it for block ``b + 2`` once
+``PDS_EMPTY`` is passed, which is before the last chunk's adds).
 
 Status: the sm_90a fast mode's default at H16/H32 (1.15x the cuDNN frontend at H32 D576 on the
-H200, where ``wgmma_slot_major`` gives 1.05x; ``bench/results/h200_bwd_ws_slot_major.md``). Its
-deterministic mode is correct but opt-in: without atomics to hide, ``wgmma_slot_major``'s even
-split of the work is faster.
+H200, where ``wgmma_slot_major`` gives 1.05x; ``bench/results/h200_bwd_ws_slot_major.md``), and
+of the deterministic mode there.
 
 This module imports ``cutlass``: use it in a build process only.
 """
