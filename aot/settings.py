@@ -20,6 +20,10 @@ ARCHS = ("sm_90a", "sm_100a")
 TILELANG_PATH_VARS = ("TL_TEMPLATE_PATH", "TL_CUTLASS_PATH", "TVM_LIBRARY_PATH", "TVM_IMPORT_PYTHON_PATH")
 
 
+#: Values of ``DSA_AOT_DETERMINISTIC_MODE``.
+DETERMINISTIC_MODES = ("stored_rows", "fixed_point")
+
+
 class SettingsError(ValueError):
     """An environment variable holds a value we cannot use; the message names it."""
 
@@ -34,6 +38,16 @@ def _bool(name: str, default: bool) -> bool:
     if low in ("0", "false", "no", "off"):
         return False
     raise SettingsError(f"{name}={raw!r} is not a boolean; use 1 or 0")
+
+
+def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    low = raw.strip().lower()
+    if low not in choices:
+        raise SettingsError(f"{name}={raw!r}: use one of {', '.join(choices)}")
+    return low
 
 
 def _float(name: str, default: float) -> float:
@@ -183,10 +197,14 @@ class Settings:
     #: The backward's default when a call does not say: bit-identical gradients for the same
     #: inputs (``deterministic=True``). ``DSA_AOT_DETERMINISTIC`` (default 0).
     deterministic: bool = False
-    #: The stored-rows deterministic mode (``tile.flavour="wgmma_slot_major"``; the default
-    #: kernels add fixed point and need no such buffer): most bytes of per-slot dKV rows (bf16,
-    #: one per query row, top-k slot, 64-head block and column) held at once; a larger call runs
-    #: in chunks of query rows. ``DSA_AOT_DETERMINISTIC_WORKSPACE`` (default 4G).
+    #: How the deterministic backward sums dKV: ``stored_rows`` (every slot's row stored as bf16,
+    #: then summed in a fixed order) or ``fixed_point`` (int32 adds in the fast mode's kernels,
+    #: ``dsa_aot.fixed_point``; its own ``-det`` specs with a ``_fixed`` flavour).
+    #: ``DSA_AOT_DETERMINISTIC_MODE`` (default stored_rows).
+    deterministic_mode: str = "stored_rows"
+    #: Most bytes of the stored-rows mode's per-slot dKV rows (bf16, one per query row, top-k
+    #: slot, 64-head block and column) held at once; a larger call runs in chunks of query rows.
+    #: ``DSA_AOT_DETERMINISTIC_WORKSPACE`` (default 4G).
     deterministic_workspace: int = 4 << 30
 
     @classmethod
@@ -217,6 +235,8 @@ class Settings:
             signing_key=_path("DSA_AOT_SIGNING_KEY"),
             trusted_keys=_paths("DSA_AOT_TRUSTED_KEYS"),
             deterministic=_bool("DSA_AOT_DETERMINISTIC", False),
+            deterministic_mode=_choice("DSA_AOT_DETERMINISTIC_MODE", "stored_rows",
+                                       DETERMINISTIC_MODES),
             deterministic_workspace=_size("DSA_AOT_DETERMINISTIC_WORKSPACE", 4 << 30),
         )
 

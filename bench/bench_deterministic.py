@@ -3,8 +3,9 @@
     DSA_AOT_PREBUILT_DIR=<prebuilt cache> python bench/bench_deterministic.py --out bench/results/h200_deterministic.json
 
 For each row (the DeepSeek shapes of the backward benchmark: S_q 4096, S_kv 8192): the CuTe DSL
-backward's fast mode (fp32 atomics into one dkv accumulator) and its deterministic mode (the same
-kernels adding int32 fixed point per group of query rows, folded in order,
+backward's fast mode (fp32 atomics into one dkv accumulator) and its deterministic mode
+(``--mode stored_rows``, the default: every slot's dkv row stored, then summed per KV row in a
+fixed order; ``--mode fixed_point``: the fast mode's kernels adding int32 fixed point,
 :mod:`dsa_aot.fixed_point`; d_sink partial sums added in a fixed order) through the public API,
 CUDA events, median of ``--reps`` after warm-up, interleaved rounds (the best round per mode); how
 far two fast calls differ (bits), whether ``--repeat`` deterministic calls agree bit for bit, both
@@ -29,6 +30,7 @@ from dsa_aot import settings  # noqa: E402
 from dsa_aot.kernels.reference import sparse_mla_bwd_ref  # noqa: E402
 from dsa_aot.fixed_point import group_bounds  # noqa: E402
 from dsa_aot.kernels.fixed_point import row_words  # noqa: E402
+from dsa_aot.runners import deterministic_chunk_rows, head_blocks  # noqa: E402
 
 #: (S_q, S_kv, H, D_qk, K): the backward benchmark's rows.
 ROWS = [(4096, 8192, 64, 576, 2048), (4096, 8192, 128, 576, 2048), (4096, 8192, 128, 512, 1024),
@@ -63,12 +65,17 @@ def measure(x: dict, out: torch.Tensor, lse: torch.Tensor, reps: int, rounds: in
             "dkv_rel_to_reference": {"fast": rel(fast[0][1], ref_dkv), "det": rel(det[0][1], ref_dkv)}}
 
 
-def workspace_bytes(s_q: int, s_kv: int, heads: int, d_qk: int, topk: int) -> int:
-    """The deterministic call's dkv workspace: the int32 fixed-point rows (with their scale, max
-    and control words), the fp32 total and accumulator, the per-group add counts and one
-    group's preset."""
-    groups = len(group_bounds(s_q))
-    return (s_kv + 1) * row_words(d_qk) * 4 + 3 * s_kv * d_qk * 4 + groups * (s_kv + 1) * 4
+def workspace_bytes(s_q: int, s_kv: int, heads: int, d_qk: int, topk: int, mode: str) -> int:
+    """The deterministic call's dkv workspace. Stored rows: one chunk's bf16 dkv rows, the fp32
+    running sum and the row order (int32, at least one entry per stored row). Fixed point: the
+    int32 rows with their scale, max and control words, the fp32 total and accumulator, one
+    group's preset and the per-group add counts."""
+    if mode == "fixed_point":
+        groups = len(group_bounds(s_q))
+        return (s_kv + 1) * row_words(d_qk) * 4 + 3 * s_kv * d_qk * 4 + groups * (s_kv + 1) * 4
+    hb = head_blocks(heads)
+    rows = min(s_q, deterministic_chunk_rows(s_q, topk, hb, d_qk, settings.get().deterministic_workspace))
+    return rows * topk * hb * (d_qk * 2 + 4) + s_kv * d_qk * 4
 
 
 def main() -> int:
@@ -78,10 +85,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=5, help="deterministic calls compared bit for bit")
     ap.add_argument("--rows", type=int, nargs="+", help="only these row numbers (0-based)")
+    ap.add_argument("--mode", choices=settings.DETERMINISTIC_MODES, default="stored_rows",
+                    help="the deterministic mode measured (DSA_AOT_DETERMINISTIC_MODE)")
     args = ap.parse_args()
     env = environment()
     records = []
-    with settings.scope(backends=("cutedsl",)):
+    with settings.scope(backends=("cutedsl",), deterministic_mode=args.mode):
         for i, (s_q, s_kv, h, d, k) in enumerate(ROWS):
             if args.rows and i not in args.rows:
                 continue
@@ -96,14 +105,15 @@ def main() -> int:
                    "fast_max_abs_diff_two_calls": got["fast_max_abs_diff_two_calls"],
                    "det_vs_fast_rel": {n: round(v, 6) for n, v in got["det_vs_fast_rel"].items()},
                    "dkv_rel_to_reference": {n: round(v, 7) for n, v in got["dkv_rel_to_reference"].items()},
-                   "workspace_mib": round(workspace_bytes(s_q, s_kv, h, d, k) / 2**20, 1),
+                   "workspace_mib": round(workspace_bytes(s_q, s_kv, h, d, k, args.mode) / 2**20, 1),
+                   "mode": args.mode,
                    "date": env["date"]}
             records.append(rec)
             print(json.dumps(rec), flush=True)
     doc = {"command": " ".join(["python", *sys.argv]), "environment": env, "records": records}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    lines = [f"# Deterministic vs fast backward (CuTe DSL), {env['gpu']}, {env['date']}", "",
+    lines = [f"# Deterministic ({args.mode}) vs fast backward (CuTe DSL), {env['gpu']}, {env['date']}", "",
              f"`{doc['command']}`; torch {env['torch']}, CUDA {env['cuda']}. Median of {args.reps}, best "
              f"of {args.rounds} interleaved rounds; {args.repeat} deterministic calls compared bit for bit.", "",
              "| H | D_qk | K | fast ms | deterministic ms | det/fast | bit-identical | fast: max diff of 2 calls "

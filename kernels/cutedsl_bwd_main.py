@@ -976,8 +976,6 @@ class FixedPointCompactEntry:
     D + 8] int32 (:mod:`dsa_aot.kernels.fixed_point`) in place of ``dkv_acc``. Mixed into a
     flavour that has the mode."""
 
-    FIXED_POINT = True
-
     @cute.jit
     def __call__(self, q: cute.Tensor, kv: cute.Tensor, dout: cute.Tensor,
                  topk_idxs: cute.Tensor, topk_length: cute.Tensor, lse_sink: cute.Tensor,
@@ -990,8 +988,6 @@ class FixedPointCompactEntry:
 class FixedPointNoncompactEntry:
     """Entry point of the fixed-point deterministic mode, noncompact layout (see
     :class:`FixedPointCompactEntry`)."""
-
-    FIXED_POINT = True
 
     @cute.jit
     def __call__(self, q: cute.Tensor, kv: cute.Tensor, dout: cute.Tensor,
@@ -1080,23 +1076,29 @@ def compile_bwd_main(arch: str, d_qk: int, heads: int, layout: str, atomic_width
     return compiled, fakes
 
 
-def compile_flavour(entries: dict[tuple[bool, str], type], module_impl: str, check,
+def compile_flavour(entries: dict[tuple, type], module_impl: str, check,
                     arch: str, d_qk: int, heads: int, layout: str, atomic_width: int,
                     scatter: bool, impl: str, extra_options: str,
                     deterministic: bool) -> tuple[object, dict[str, object]]:
     """``cute.compile`` the entry class ``entries[deterministic, layout]`` of a flavour module
-    whose flavour is ``module_impl``: refuses another ``impl``, then parameters that
-    ``check(d_qk, heads, layout, arch)`` refuses. Returns the compiled function and the fake
-    arguments it was compiled with."""
-    if impl != module_impl:
-        raise ValueError(f"impl={impl!r}: this module builds impl={module_impl!r}; "
-                         "compile_bwd_main builds the others")
+    whose flavour is ``module_impl`` (``entries[True, layout, True]`` for ``impl=module_impl +
+    "_fixed"``, the fixed-point deterministic mode, where the module has one): refuses another
+    ``impl``, then parameters that ``check(d_qk, heads, layout, arch)`` refuses. Returns the
+    compiled function and the fake arguments it was compiled with."""
+    fixed = impl == module_impl + "_fixed" and (True, layout, True) in entries
+    if impl != module_impl and not fixed:
+        raise ValueError(f"impl={impl!r}: this module builds impl={module_impl!r}"
+                         + (f" or {module_impl + '_fixed'!r}" if (True, layout, True) in entries
+                            else "") + "; compile_bwd_main builds the others")
+    if fixed and not deterministic:
+        raise ValueError(f"impl={impl!r} is a deterministic mode: pass deterministic=True, or "
+                         f"impl={module_impl!r} for the fast mode")
     check(d_qk, heads, layout, arch)
-    entry = entries[deterministic, layout]
-    fakes = fake_arguments(d_qk, heads, layout, deterministic,
-                           getattr(entry, "FIXED_POINT", False))
-    kernel = entry(d_qk, heads, layout, atomic_width=atomic_width,
-                                            scatter=scatter, deterministic=deterministic)
+    entry = entries[(True, layout, True)] if fixed else entries[deterministic, layout]
+    fakes = fake_arguments(d_qk, heads, layout, deterministic, fixed)
+    extra = {"fixed_point": True} if fixed else {}
+    kernel = entry(d_qk, heads, layout, atomic_width=atomic_width, scatter=scatter,
+                   deterministic=deterministic, **extra)
     compiled = cute.compile(kernel, *fakes.values(),
                             options=f"--gpu-arch {arch} {extra_options}".strip())
     return compiled, fakes

@@ -40,7 +40,11 @@ gathers the row's KV rows from L2). ``dQ`` stays in registers over the
 row (64 x 256 fp32 in warpgroup 0, 64 x 320 at D 576 / 64 x 256 at D 512 in warpgroup 1) and is
 stored as bf16 at the end (0 for a row without a valid slot).
 
-Deterministic mode (``deterministic=True``): warpgroup 1 adds int32 fixed point into
+Deterministic mode (``deterministic=True``): warpgroup 1 stores each valid slot's dKV row of
+this CTA's 64 heads (bf16) into ``dkv_rows`` [s_q * topk, head blocks, D]
+(:meth:`SparseMlaBwdMain.scatter_chunk`), one writer per row; the deterministic postprocess sums
+every KV row's stored rows in a fixed order. With ``impl="wgmma_ws_fixed"`` (``fixed_point``)
+warpgroup 1 adds int32 fixed point into
 ``dkv_fixed`` [s_kv + 1, D + 8] instead of fp32 into ``dkv_acc``
 (:mod:`dsa_aot.kernels.cutedsl_fixed_point`, layout :mod:`dsa_aot.kernels.fixed_point`): the same
 whole-line adds, order-free; a launch whose control word is set returns at once. At D 576 the
@@ -60,7 +64,9 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import hopper_helpers as sm90_utils
 
 from dsa_aot.kernels import cutedsl_bwd_main as main
-from dsa_aot.kernels.cutedsl_bwd_main import (BLOCK_H, BLOCK_N, LOG2E, FixedPointCompactEntry,
+from dsa_aot.kernels.cutedsl_bwd_main import (BLOCK_H, BLOCK_N, LOG2E, DeterministicCompactEntry,
+                                              DeterministicNoncompactEntry,
+                                              FixedPointCompactEntry,
                                               FixedPointNoncompactEntry, SparseMlaBwdMain,
                                               SparseMlaBwdMainCompact, SparseMlaBwdMainNoncompact,
                                               compile_flavour, score_gemms, wg_gemm)
@@ -69,8 +75,10 @@ from dsa_aot.kernels.cutedsl_fixed_point import (add_fixed, fixed_scales, flush_
 from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, LAYOUTS, VEC, wg_acc_as_a,
                                             wg_rows_cols)
 
-#: The ``impl`` name of this flavour (the build's ``tile.flavour``).
+#: The ``impl`` name of this flavour (the build's ``tile.flavour``), and of its deterministic
+#: mode with fixed-point adds (the default deterministic mode stores rows).
 IMPL = "wgmma_ws"
+FIXED_IMPL = "wgmma_ws_fixed"
 #: Head counts this flavour supports (whole 64-head blocks).
 HEADS = (64, 128)
 WG_THREADS = 128
@@ -178,18 +186,19 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
     layout)``."""
 
     def __init__(self, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
-                 scatter: bool = True, deterministic: bool = False) -> None:
+                 scatter: bool = True, deterministic: bool = False,
+                 fixed_point: bool = False) -> None:
         check_params(d_qk, heads, layout)
         super().__init__(d_qk, heads, layout, atomic_width=atomic_width, scatter=scatter,
                          impl="wgmma", deterministic=deterministic)
         self.impl = IMPL
-        self.fixed_point = deterministic
+        self.fixed_point = deterministic and fixed_point
         #: whether the dKV warpgroup copies a block's KV rows out of the double-buffered
         #: ``s_idx`` (needed where the score warpgroup can refill it first: slot-major)
         self.copy_rows = False
         #: dQ column tiles of warpgroup 0; at D 576 the fixed-point mode moves a fifth one
         #: there (warpgroup 1's adds need the registers: 8 bytes of spills otherwise)
-        self.score_dq_tiles = SCORE_DQ_TILES + (1 if deterministic and d_qk == 576 else 0)
+        self.score_dq_tiles = SCORE_DQ_TILES + (1 if self.fixed_point and d_qk == 576 else 0)
         self.gather_threads = WG_THREADS  # warpgroup 0 gathers
         #: the heads of one CTA (the K of the dKV chunk GEMMs)
         self.cta_heads = BLOCK_H
@@ -558,12 +567,20 @@ class SparseMlaBwdWsNoncompact(SparseMlaBwdWs, SparseMlaBwdMainNoncompact):
     """Entry point of the noncompact layout (padding marked by out-of-range indices)."""
 
 
-class SparseMlaBwdWsCompactDeterministic(FixedPointCompactEntry, SparseMlaBwdWs):
-    """Entry point of the deterministic mode, compact layout."""
+class SparseMlaBwdWsCompactDeterministic(DeterministicCompactEntry, SparseMlaBwdWs):
+    """Entry point of the deterministic mode (stored rows), compact layout."""
 
 
-class SparseMlaBwdWsNoncompactDeterministic(FixedPointNoncompactEntry, SparseMlaBwdWs):
-    """Entry point of the deterministic mode, noncompact layout."""
+class SparseMlaBwdWsNoncompactDeterministic(DeterministicNoncompactEntry, SparseMlaBwdWs):
+    """Entry point of the deterministic mode (stored rows), noncompact layout."""
+
+
+class SparseMlaBwdWsCompactFixedPoint(FixedPointCompactEntry, SparseMlaBwdWs):
+    """Entry point of the fixed-point deterministic mode, compact layout."""
+
+
+class SparseMlaBwdWsNoncompactFixedPoint(FixedPointNoncompactEntry, SparseMlaBwdWs):
+    """Entry point of the fixed-point deterministic mode, noncompact layout."""
 
 
 def compile_bwd_ws(arch: str, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
@@ -572,16 +589,19 @@ def compile_bwd_ws(arch: str, d_qk: int, heads: int, layout: str, atomic_width: 
     """``cute.compile`` this kernel for ``arch`` (sm_90a; ``CUTE_DSL_ARCH`` set before import).
     Returns the compiled function and the fake arguments (those of
     :func:`~dsa_aot.kernels.cutedsl_bwd_main.fake_arguments`) it was compiled with. ``impl`` is
-    the build's flavour name, which must be this module's."""
+    the build's flavour name, this module's (:data:`IMPL`, or :data:`FIXED_IMPL` for the
+    fixed-point deterministic mode)."""
     entries = {(False, "compact"): SparseMlaBwdWsCompact,
                (False, "noncompact"): SparseMlaBwdWsNoncompact,
                (True, "compact"): SparseMlaBwdWsCompactDeterministic,
-               (True, "noncompact"): SparseMlaBwdWsNoncompactDeterministic}
+               (True, "noncompact"): SparseMlaBwdWsNoncompactDeterministic,
+               (True, "compact", True): SparseMlaBwdWsCompactFixedPoint,
+               (True, "noncompact", True): SparseMlaBwdWsNoncompactFixedPoint}
     return compile_flavour(entries, IMPL, check_params, arch, d_qk, heads, layout, atomic_width,
                            scatter, impl, extra_options, deterministic)
 
 
-__all__ = ["HEADS", "IMPL", "SparseMlaBwdWs", "SparseMlaBwdWsCompact",
+__all__ = ["FIXED_IMPL", "HEADS", "IMPL", "SparseMlaBwdWs", "SparseMlaBwdWsCompact",
            "SparseMlaBwdWsCompactDeterministic", "SparseMlaBwdWsNoncompact",
            "SparseMlaBwdWsNoncompactDeterministic", "LAYOUT_ORDER",
            "can_implement", "check_params", "compile_bwd_ws", "ws_smem_layouts", "ws_smem_views"]

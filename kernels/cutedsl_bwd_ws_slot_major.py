@@ -42,14 +42,16 @@ tiles at H 32 D 576), one CTA of two warpgroups per SM (registers: 198-236 a thr
 (0 for a row without a valid slot). Warpgroup 1 is
 :meth:`~dsa_aot.kernels.cutedsl_bwd_ws.SparseMlaBwdWs.dkv_warpgroup` with no ``dQ`` tiles.
 
-Deterministic mode (``deterministic=True``): int32 fixed-point adds into ``dkv_fixed``, as in
-:mod:`.cutedsl_bwd_ws`; the dKV warpgroup first copies the block's KV rows out of the
+Deterministic mode (``deterministic=True``): each valid slot's dKV row is stored (bf16) into
+``dkv_rows`` [s_q * topk, 1, D] instead of added atomically, as in :mod:`.cutedsl_bwd_ws`. With
+``impl="wgmma_ws_slot_major_fixed"``: int32 fixed-point adds into ``dkv_fixed``, as there; the dKV warpgroup first copies the block's KV rows out of the
 double-buffered index array (the score warpgroup refills it for block ``b + 2`` once
 ``PDS_EMPTY`` is passed, which is before the last chunk's adds).
 
 Status: the sm_90a fast mode's default at H16/H32 (1.15x the cuDNN frontend at H32 D576 on the
-H200, where ``wgmma_slot_major`` gives 1.05x; ``bench/results/h200_bwd_ws_slot_major.md``), and
-of the deterministic mode there.
+H200, where ``wgmma_slot_major`` gives 1.05x; ``bench/results/h200_bwd_ws_slot_major.md``). Its
+stored-rows deterministic mode is opt-in: without atomics to hide, ``wgmma_slot_major``'s even
+split of the work is faster.
 
 This module imports ``cutlass``: use it in a build process only.
 """
@@ -65,7 +67,9 @@ from cutlass.utils import hopper_helpers as sm90_utils
 
 from dsa_aot.kernels import cutedsl_bwd_main as main
 from dsa_aot.kernels import cutedsl_bwd_ws as ws
-from dsa_aot.kernels.cutedsl_bwd_main import (LOG2E, FixedPointCompactEntry,
+from dsa_aot.kernels.cutedsl_bwd_main import (LOG2E, DeterministicCompactEntry,
+                                              DeterministicNoncompactEntry,
+                                              FixedPointCompactEntry,
                                               FixedPointNoncompactEntry, SparseMlaBwdMain,
                                               SparseMlaBwdMainCompact, SparseMlaBwdMainNoncompact,
                                               compile_flavour, score_gemms)
@@ -78,6 +82,8 @@ from dsa_aot.kernels.cutedsl_common import D_QK_CHOICES, LAYOUTS, VEC, wg_rows_c
 
 #: The ``impl`` name of this flavour (the build's ``tile.flavour``).
 IMPL = "wgmma_ws_slot_major"
+#: ... and of its fixed-point deterministic mode (the default deterministic mode stores rows)
+FIXED_IMPL = "wgmma_ws_slot_major_fixed"
 #: Head counts this flavour supports (the MMA N of the score and ``dQ^T`` GEMMs).
 HEADS = (16, 32)
 
@@ -121,12 +127,13 @@ class SparseMlaBwdWsSlotMajor(SparseMlaBwdWs):
     ``dQ^T`` tile on warpgroup 0."""
 
     def __init__(self, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
-                 scatter: bool = True, deterministic: bool = False) -> None:
+                 scatter: bool = True, deterministic: bool = False,
+                 fixed_point: bool = False) -> None:
         check_params(d_qk, heads, layout)
         SparseMlaBwdMain.__init__(self, d_qk, heads, layout, atomic_width=atomic_width,
                                   scatter=scatter, impl="wgmma", deterministic=deterministic)
         self.impl = IMPL
-        self.fixed_point = deterministic
+        self.fixed_point = deterministic and fixed_point
         self.copy_rows = True  # block b + 2's gather follows PDS_EMPTY (see dkv_warpgroup)
         self.gather_threads = WG_THREADS  # warpgroup 0 gathers, 64 rows a block
         self.score_dq_tiles = d_qk // TILE  # every dQ^T tile: warpgroup 1 computes none
@@ -276,14 +283,23 @@ class SparseMlaBwdWsSlotMajorNoncompact(SparseMlaBwdWsSlotMajor, SparseMlaBwdMai
     """Entry point of the noncompact layout (padding marked by out-of-range indices)."""
 
 
-class SparseMlaBwdWsSlotMajorCompactDeterministic(FixedPointCompactEntry,
+class SparseMlaBwdWsSlotMajorCompactDeterministic(DeterministicCompactEntry,
                                                   SparseMlaBwdWsSlotMajor):
-    """Entry point of the deterministic mode, compact layout."""
+    """Entry point of the deterministic mode (stored rows), compact layout."""
 
 
-class SparseMlaBwdWsSlotMajorNoncompactDeterministic(FixedPointNoncompactEntry,
+class SparseMlaBwdWsSlotMajorNoncompactDeterministic(DeterministicNoncompactEntry,
                                                      SparseMlaBwdWsSlotMajor):
-    """Entry point of the deterministic mode, noncompact layout."""
+    """Entry point of the deterministic mode (stored rows), noncompact layout."""
+
+
+class SparseMlaBwdWsSlotMajorCompactFixedPoint(FixedPointCompactEntry, SparseMlaBwdWsSlotMajor):
+    """Entry point of the fixed-point deterministic mode, compact layout."""
+
+
+class SparseMlaBwdWsSlotMajorNoncompactFixedPoint(FixedPointNoncompactEntry,
+                                                  SparseMlaBwdWsSlotMajor):
+    """Entry point of the fixed-point deterministic mode, noncompact layout."""
 
 
 def compile_bwd_ws_slot_major(arch: str, d_qk: int, heads: int, layout: str,
@@ -293,16 +309,19 @@ def compile_bwd_ws_slot_major(arch: str, d_qk: int, heads: int, layout: str,
     """``cute.compile`` this kernel for ``arch`` (sm_90a; ``CUTE_DSL_ARCH`` set before import).
     Returns the compiled function and the fake arguments (those of
     :func:`~dsa_aot.kernels.cutedsl_bwd_main.fake_arguments`) it was compiled with. ``impl`` is
-    the build's flavour name, which must be this module's."""
+    the build's flavour name, this module's (:data:`IMPL`, or :data:`FIXED_IMPL` for the
+    fixed-point deterministic mode)."""
     entries = {(False, "compact"): SparseMlaBwdWsSlotMajorCompact,
                (False, "noncompact"): SparseMlaBwdWsSlotMajorNoncompact,
                (True, "compact"): SparseMlaBwdWsSlotMajorCompactDeterministic,
-               (True, "noncompact"): SparseMlaBwdWsSlotMajorNoncompactDeterministic}
+               (True, "noncompact"): SparseMlaBwdWsSlotMajorNoncompactDeterministic,
+               (True, "compact", True): SparseMlaBwdWsSlotMajorCompactFixedPoint,
+               (True, "noncompact", True): SparseMlaBwdWsSlotMajorNoncompactFixedPoint}
     return compile_flavour(entries, IMPL, check_params, arch, d_qk, heads, layout, atomic_width,
                            scatter, impl, extra_options, deterministic)
 
 
-__all__ = ["HEADS", "IMPL", "SparseMlaBwdWsSlotMajor", "SparseMlaBwdWsSlotMajorCompact",
+__all__ = ["FIXED_IMPL", "HEADS", "IMPL", "SparseMlaBwdWsSlotMajor", "SparseMlaBwdWsSlotMajorCompact",
            "SparseMlaBwdWsSlotMajorCompactDeterministic", "SparseMlaBwdWsSlotMajorNoncompact",
            "SparseMlaBwdWsSlotMajorNoncompactDeterministic", "can_implement", "check_params",
            "compile_bwd_ws_slot_major", "ws_slot_major_smem_layouts"]

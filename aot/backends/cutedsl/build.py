@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from dsa_aot import settings
 from dsa_aot.backends.cutedsl.records import (
-    BWD_MAIN_HEADS, BWD_MAIN_IMPLS, DETERMINISTIC_BWD_MAIN_IMPLS, bwd_main_default_impl, DSL_RUNTIME_LIB, FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES, RECORD_FILE, WORKER_MODULE, _DSL_STATIC_SHIMS,
+    BWD_MAIN_HEADS, BWD_MAIN_IMPLS, DETERMINISTIC_BWD_MAIN_IMPLS, FIXED_POINT_IMPLS, bwd_main_default_impl, DSL_RUNTIME_LIB, FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES, RECORD_FILE, WORKER_MODULE, _DSL_STATIC_SHIMS,
     Arch, BwdMainImpl, CuteBuildError, CuteExportRecord, CuteKernel, CuteSymbols, FwdImpl, FwdLayout, LinkMode,
     RuntimeLibRecord, ScalarArgRecord, StreamArgRecord, TensorArgRecord, kernel_entry, sha256_file)
 from dsa_aot.toolkit import toolkit_root
@@ -106,6 +106,9 @@ class BuildRequest(BaseModel):
                                  f"d_qk={self.d_qk}, heads={self.heads}, layout={self.layout}")
             if (self.use_isfinite, self.kv_stages) != (None, None):
                 raise ValueError("use_isfinite/kv_stages do not apply to kernel=bwd_main")
+            if self.impl in FIXED_POINT_IMPLS and not self.deterministic:
+                raise ValueError(f"impl={self.impl} is the fixed-point deterministic mode: "
+                                 "it needs deterministic=True")
             if self.impl not in (None, *BWD_MAIN_IMPLS):
                 raise ValueError(f"kernel=bwd_main has impl {', '.join(BWD_MAIN_IMPLS)}, "
                                  f"not {self.impl}")

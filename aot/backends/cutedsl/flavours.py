@@ -14,7 +14,10 @@ FwdImpl = Literal["mma", "wgmma", "wgmma_pipe", "wgmma_ws", "wgmma_split"]
 #: slot-major wgmma kernel for few heads (sm_90a, heads in :data:`BWD_SLOT_MAJOR_HEADS`) and the
 #: wgmma kernel with a score and a dKV warpgroup (sm_90a, heads in :data:`BWD_WS_HEADS`), and the
 #: slot-major kernel with the same two roles (sm_90a, heads in :data:`BWD_SLOT_MAJOR_HEADS`).
-BwdMainImpl = Literal["mma", "wgmma", "wgmma_slot_major", "wgmma_ws", "wgmma_ws_slot_major"]
+#: ``wgmma_ws_fixed`` / ``wgmma_ws_slot_major_fixed``: those two kernels in the fixed-point
+#: deterministic mode (int32 adds, ``dsa_aot.fixed_point``; deterministic specs only).
+BwdMainImpl = Literal["mma", "wgmma", "wgmma_slot_major", "wgmma_ws", "wgmma_ws_slot_major",
+                      "wgmma_ws_fixed", "wgmma_ws_slot_major_fixed"]
 #: Every backward main flavour, in the order of :data:`BwdMainImpl`.
 BWD_MAIN_IMPLS: tuple[str, ...] = get_args(BwdMainImpl)
 #: Head counts of ``impl=wgmma_slot_major`` (``dsa_aot.kernels.cutedsl_bwd_slot_major.HEADS``).
@@ -24,7 +27,9 @@ BWD_WS_HEADS: tuple[int, ...] = (64, 128)
 #: Flavours of the backward main stage that take only some head counts.
 BWD_MAIN_HEADS: dict[str, tuple[int, ...]] = {"wgmma_slot_major": BWD_SLOT_MAJOR_HEADS,
                                               "wgmma_ws": BWD_WS_HEADS,
-                                              "wgmma_ws_slot_major": BWD_SLOT_MAJOR_HEADS}
+                                              "wgmma_ws_slot_major": BWD_SLOT_MAJOR_HEADS,
+                                              "wgmma_ws_fixed": BWD_WS_HEADS,
+                                              "wgmma_ws_slot_major_fixed": BWD_SLOT_MAJOR_HEADS}
 #: Kernel module and compile function of each stage (``f(arch, **params)`` returns ``(compiled,
 #: fake_arguments)``); :data:`FLAVOUR_KERNELS` overrides it for a flavour with a module of its own.
 #: A spec's key and runtime identity cover exactly the module its build imports (and what that
@@ -47,6 +52,9 @@ FLAVOUR_KERNELS: dict[tuple[str, str], tuple[str, str]] = {
     ("bwd_main", "wgmma_ws"): ("dsa_aot.kernels.cutedsl_bwd_ws", "compile_bwd_ws"),
     ("bwd_main", "wgmma_ws_slot_major"): ("dsa_aot.kernels.cutedsl_bwd_ws_slot_major",
                                           "compile_bwd_ws_slot_major"),
+    ("bwd_main", "wgmma_ws_fixed"): ("dsa_aot.kernels.cutedsl_bwd_ws", "compile_bwd_ws"),
+    ("bwd_main", "wgmma_ws_slot_major_fixed"): ("dsa_aot.kernels.cutedsl_bwd_ws_slot_major",
+                                                "compile_bwd_ws_slot_major"),
 }
 #: The forward's MMA flavour per arch when a request names none (wgmma needs sm_90a).
 FWD_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma_split", "sm_100a": "mma"}
@@ -60,15 +68,23 @@ BWD_MAIN_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma", "sm_100a": "mma"}
 BWD_MAIN_DEFAULT_IMPL_BY_HEADS: dict[tuple[str, int], str] = {
     ("sm_90a", 16): "wgmma_ws_slot_major", ("sm_90a", 32): "wgmma_ws_slot_major",
     ("sm_90a", 64): "wgmma_ws", ("sm_90a", 128): "wgmma_ws"}
-#: ... and in the deterministic mode: the same flavours, which add int32 fixed point where the
-#: fast mode adds fp32 (dsa_aot.fixed_point); the slot-major kernel's stored-rows mode is opt-in.
-BWD_MAIN_DETERMINISTIC_DEFAULT_IMPL_BY_HEADS: dict[tuple[str, int], str] = {}
+#: ... and in the deterministic mode, where no atomics are left to hide: the slot-major kernel
+#: at H16/H32, whose two warpgroups share every phase (main kernel 4.59 vs 5.29 ms at H32 D576,
+#: bench/results/h200_bwd_versions.md).
+BWD_MAIN_DETERMINISTIC_DEFAULT_IMPL_BY_HEADS: dict[tuple[str, int], str] = {
+    ("sm_90a", 16): "wgmma_slot_major", ("sm_90a", 32): "wgmma_slot_major"}
+#: The fixed-point deterministic flavour per head count (``DSA_AOT_DETERMINISTIC_MODE=fixed_point``).
+FIXED_POINT_IMPL_BY_HEADS: dict[int, str] = {16: "wgmma_ws_slot_major_fixed",
+                                             32: "wgmma_ws_slot_major_fixed",
+                                             64: "wgmma_ws_fixed", 128: "wgmma_ws_fixed"}
+#: Flavours that are a deterministic mode only.
+FIXED_POINT_IMPLS: tuple[str, ...] = ("wgmma_ws_fixed", "wgmma_ws_slot_major_fixed")
 
 
-#: The backward main flavours with a deterministic mode, sm_90a only: fixed-point adds
-#: (wgmma_ws, wgmma_ws_slot_major) or stored per-slot dkv rows (wgmma_slot_major).
+#: The backward main flavours with a deterministic mode, sm_90a only: stored per-slot dkv rows
+#: (the first three) or fixed-point adds (the ``_fixed`` ones).
 DETERMINISTIC_BWD_MAIN_IMPLS: tuple[str, ...] = ("wgmma_ws", "wgmma_slot_major",
-                                                 "wgmma_ws_slot_major")
+                                                 "wgmma_ws_slot_major", *FIXED_POINT_IMPLS)
 
 
 def bwd_main_default_impl(arch: str, heads: int | None, deterministic: bool = False) -> str:

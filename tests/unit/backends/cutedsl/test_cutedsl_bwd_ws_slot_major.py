@@ -85,21 +85,20 @@ def test_the_build_is_keyed_on_the_flavours_module() -> None:
     assert {"dsa_aot/kernels/cutedsl_bwd_ws_slot_major.py",
             "dsa_aot/kernels/cutedsl_bwd_slot_major.py",
             "dsa_aot/kernels/cutedsl_bwd_main.py"} <= set(sources)
-    # the default at H32 in both modes (the deterministic one adds fixed point)
+    # the fast mode's default at H32; the deterministic mode's default is the slot-major kernel
     assert backend.kernel_sources(_spec(32, flavour=None)) == backend.kernel_sources(_spec(32))
-    det = module_sources(backend.source_modules(_spec(32, flavour=None, deterministic=True)))
-    assert {"dsa_aot/kernels/cutedsl_bwd_ws_slot_major.py",
-            "dsa_aot/kernels/cutedsl_fixed_point.py", "dsa_aot/kernels/fixed_point.py"} <= set(det)
-    assert "dsa_aot/kernels/cutedsl_bwd_ws_slot_major.py" not in module_sources(
-        backend.source_modules(_spec(32, flavour="wgmma_slot_major")))
+    for other in (_spec(32, flavour="wgmma_slot_major"),
+                  _spec(32, flavour=None, deterministic=True)):
+        assert "dsa_aot/kernels/cutedsl_bwd_ws_slot_major.py" not in module_sources(
+            backend.source_modules(other))
 
 
 @pytest.mark.parametrize("heads", BWD_SLOT_MAJOR_HEADS)
-def test_both_modes_default_to_the_flavour(heads: int) -> None:
-    """A spec naming no flavour builds this kernel in the fast and in the deterministic mode
-    (fixed-point adds where the fast mode adds fp32), on sm_90a; sm_100a keeps mma."""
+def test_only_the_fast_mode_defaults_to_the_flavour(heads: int) -> None:
+    """A spec naming no flavour builds this kernel in the fast mode and the slot-major one in the
+    deterministic mode (faster without atomics), on sm_90a; sm_100a keeps mma."""
     fast, det = (_request(576, heads, "noncompact", d, flavour=None) for d in (False, True))
-    assert (fast.compile_params["impl"], det.compile_params["impl"]) == (IMPL, IMPL)
+    assert (fast.compile_params["impl"], det.compile_params["impl"]) == (IMPL, "wgmma_slot_major")
     assert (fast.impl, det.impl) == (None, None)  # the default: no flavour in the artifact name
     assert (bwd_main_default_impl("sm_100a", heads)
             == bwd_main_default_impl("sm_100a", heads, True) == "mma")
@@ -238,23 +237,16 @@ def test_every_variant_builds_with_the_slot_major_abi(
     for d_qk, heads, layout, det in VARIANTS:
         rec = records[d_qk, heads, layout, det, IMPL]
         assert (rec.kernel, rec.arch) == ("bwd_main", "sm_90a")
-        # the default in both modes: no flavour in the name
-        assert rec.name == (f"cutedsl_bwd_main_sm_90a_d{d_qk}_h{heads}_{layout}"
+        # the default's name in the fast mode, named apart in the deterministic mode
+        suffix = f"_{IMPL}" if det else ""
+        assert rec.name == (f"cutedsl_bwd_main_sm_90a_d{d_qk}_h{heads}_{layout}{suffix}"
                             + ("_det" if det else "") + "_static")
         header = (out / rec.name / rec.header).read_text()
         assert f"void *args[{len(rec.args) + 1}] = {{" in header
     for v in TWINS:
         twin = records[(*v, "wgmma_slot_major")]
-        ours = records[(*v, IMPL)]
-        assert twin.name != ours.name
-        if not v[3]:
-            assert ours.args == twin.args
-            continue
-        # deterministic: int32 fixed-point sums where the slot-major kernel stores bf16 rows
-        names = [a.name for a in ours.args]
-        assert names == [a.name if a.name != "dkv_rows" else "dkv_fixed" for a in twin.args]
-        fixed = next(a for a in ours.args if a.name == "dkv_fixed")
-        assert (fixed.dtype, len(fixed.shape)) == ("int32", 2)
+        assert twin.name != records[(*v, IMPL)].name
+        assert records[(*v, IMPL)].args == twin.args
 
 
 @needs_cute_dsl

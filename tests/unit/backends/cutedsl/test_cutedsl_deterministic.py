@@ -66,7 +66,7 @@ def test_requests_carry_the_variant_to_every_stage():
     assert all(r.deterministic and r.compile_params["deterministic"] for r in requests)
     assert requests[1].compile_params["impl"] == "wgmma_ws"  # the fast mode's kernel at H128
     h16 = requests_for(KernelSpec(**{**spec.model_dump(), "heads": 16}), ("bwd_main",))
-    assert h16[0].compile_params["impl"] == "wgmma_ws_slot_major"  # the fast mode's kernel too
+    assert h16[0].compile_params["impl"] == "wgmma_slot_major"
     fast = requests_for(spec.model_copy(update={"deterministic": False}), BACKENDS["cutedsl"].stages["bwd"])
     assert not any(r.deterministic or "deterministic" in r.compile_params for r in fast)
     for flavour in ("mma", "wgmma"):
@@ -87,12 +87,12 @@ def test_build_records_the_deterministic_abi(tmp_path):
     assert all(r.deterministic and r.name.endswith("_det_static") for r in records.values())
     tensors = {name: {a.name: len(a.shape) for a in r.args if a.kind == "tensor"} for name, r in records.items()}
     assert tensors["bwd_preprocess"]["d_sink_acc"] == 2 and "d_sink" not in tensors["bwd_preprocess"]
-    assert tensors["bwd_main"]["dkv_fixed"] == 2 and "dkv_acc" not in tensors["bwd_main"]
+    assert tensors["bwd_main"]["dkv_rows"] == 3 and "dkv_acc" not in tensors["bwd_main"]
     assert tensors["bwd_postprocess"] == {"dkv_rows": 2, "row_order": 1, "row_offsets": 1,
                                           "dkv_acc": 2, "dkv": 2, "d_sink_acc": 2, "d_sink": 1}
     assert [a.name for a in records["bwd_postprocess"].args if a.kind == "scalar"] == ["row_group"]
     dtypes = {a.name: a.dtype for a in records["bwd_main"].args if a.kind == "tensor"}
-    assert dtypes["dkv_fixed"] == "int32"
+    assert dtypes["dkv_rows"] == "bfloat16"
     dtypes = {a.name: a.dtype for a in records["bwd_postprocess"].args if a.kind == "tensor"}
     assert (dtypes["row_order"], dtypes["row_offsets"], dtypes["dkv_acc"]) == ("int32", "int32", "float32")
 
@@ -214,3 +214,63 @@ def test_settings_parse(monkeypatch):
     monkeypatch.setenv("DSA_AOT_DETERMINISTIC", "maybe")
     with pytest.raises(settings.SettingsError, match="DSA_AOT_DETERMINISTIC='maybe'"):
         settings.Settings.from_env()
+
+
+# ---- the fixed-point mode (DSA_AOT_DETERMINISTIC_MODE=fixed_point) ----
+
+
+def test_fixed_point_mode_setting_parses(monkeypatch):
+    assert settings.Settings.from_env().deterministic_mode == "stored_rows"
+    monkeypatch.setenv("DSA_AOT_DETERMINISTIC_MODE", "Fixed_Point")
+    assert settings.Settings.from_env().deterministic_mode == "fixed_point"
+    monkeypatch.setenv("DSA_AOT_DETERMINISTIC_MODE", "atomic")
+    with pytest.raises(settings.SettingsError, match="DSA_AOT_DETERMINISTIC_MODE='atomic'.*fixed_point"):
+        settings.Settings.from_env()
+
+
+def test_fixed_point_mode_asks_for_the_fixed_flavours(empty_loader):
+    """The loader's deterministic cutedsl spec carries the fixed-point flavour of the head count
+    (a spec of its own, in the catalog); the stored-rows default carries none."""
+    with settings.scope(deterministic_mode="fixed_point"):
+        with pytest.raises(DeterminismUnavailableError, match=r"-det-t[0-9a-f]{8}: not prebuilt"):
+            empty_loader.resolve("bwd", "sm_90a", 576, 64, "noncompact", 0, deterministic=True)
+        specs = {h: empty_loader._spec("bwd", "sm_90a", 512, h, "compact", "cutedsl", True)
+                 for h in (16, 32, 64, 128)}
+    assert {h: s.tile.flavour for h, s in specs.items()} == {
+        16: "wgmma_ws_slot_major_fixed", 32: "wgmma_ws_slot_major_fixed", 64: "wgmma_ws_fixed",
+        128: "wgmma_ws_fixed"}
+    assert empty_loader._spec("bwd", "sm_90a", 512, 64, "compact", "cutedsl", True).tile.flavour is None
+    from dsa_aot.specs.catalog import load_catalog
+
+    catalog = {s.id for s in load_catalog().specs()}
+    assert {s.id for s in specs.values()} <= catalog
+
+
+def test_fixed_point_flavours_build_requests():
+    spec = KernelSpec(**{**KernelSpec.from_id(DET).model_dump(), "tile": {"flavour": "wgmma_ws_fixed"}})
+    main = requests_for(spec, ("bwd_main",))[0]
+    assert main.compile_params["impl"] == "wgmma_ws_fixed" and main.deterministic
+    with pytest.raises(ValidationError, match="needs deterministic=True"):
+        BuildRequest(kernel="bwd_main", arch="sm_90a", d_qk=576, heads=64, layout="compact",
+                     impl="wgmma_ws_fixed")
+    with pytest.raises(ValueError, match="wgmma_ws_fixed"):
+        requests_for(KernelSpec(**{**spec.model_dump(), "heads": 16}), ("bwd_main",))
+
+
+@pytest.mark.skipif(_CANNOT_BUILD is not None, reason=f"cannot build: {_CANNOT_BUILD}")
+@pytest.mark.parametrize("flavour,heads,d_qk", [("wgmma_ws_fixed", 128, 576),
+                                                ("wgmma_ws_slot_major_fixed", 32, 576)])
+def test_fixed_point_build_records_its_abi_and_spills_nothing(tmp_path, flavour, heads, d_qk):
+    from cli_helpers import assert_spill_free
+
+    spec = KernelSpec(op="bwd", arch="sm_90a", d_qk=d_qk, heads=heads, layout="noncompact",
+                      backend="cutedsl", deterministic=True, tile={"flavour": flavour})
+    done = build_and_publish(ArtifactStore(tmp_path), spec, Toolchain.current())
+    assert done.status == "built", done
+    records = {st.name: CuteExportRecord.model_validate(st.record) for st in done.manifest.stages}
+    main = records["bwd_main"]
+    assert main.name.endswith(f"_{flavour}_det_static")
+    tensors = {a.name: (a.dtype, len(a.shape)) for a in main.args if a.kind == "tensor"}
+    assert tensors["dkv_fixed"] == ("int32", 2)
+    assert "dkv_rows" not in tensors and "dkv_acc" not in tensors
+    assert_spill_free(tmp_path.rglob("bwd_main.so"))  # the linked library embeds the cubin
