@@ -133,9 +133,11 @@ def ws_smem_layouts(d_qk: int, heads: int = BLOCK_H) -> dict[str, cute.ComposedL
     }
 
 
-def shared_storage(d_qk: int, heads: int = BLOCK_H) -> tuple[dict[str, cute.ComposedLayout], type]:
+def shared_storage(d_qk: int, heads: int = BLOCK_H,
+                   fixed_point: bool = False) -> tuple[dict[str, cute.ComposedLayout], type]:
     """The layouts of :func:`ws_smem_layouts` and the kernel's shared-memory struct (call while
-    tracing; ``size_in_bytes()`` is the dynamic shared memory of one CTA)."""
+    tracing; ``size_in_bytes()`` is the dynamic shared memory of one CTA). ``fixed_point``: also
+    the dKV warpgroup's per-block-row maxima and KV rows (512 bytes)."""
     lay = ws_smem_layouts(d_qk, heads)
     align, mem = cute.struct.Align, cute.struct.MemRange
     fields = {f"s_{name}": align[mem[BFloat16, cute.cosize(lay[key].outer)], 1024]
@@ -144,9 +146,10 @@ def shared_storage(d_qk: int, heads: int = BLOCK_H) -> tuple[dict[str, cute.Comp
     fields |= {"s_idx": align[mem[Int32, 2 * BLOCK_N], 16],
                "s_valid": align[mem[Int32, 2 * BLOCK_N], 16],
                "s_lse": align[mem[Float32, heads], 16],
-               "s_delta": align[mem[Float32, heads], 16],
-               "s_max": align[mem[Float32, BLOCK_N], 16],
-               "s_rows": align[mem[Int32, BLOCK_N], 16]}
+               "s_delta": align[mem[Float32, heads], 16]}
+    if fixed_point:
+        fields |= {"s_max": align[mem[Float32, BLOCK_N], 16],
+                   "s_rows": align[mem[Int32, BLOCK_N], 16]}
     # built from a dict: this module's annotations are strings (postponed evaluation)
     SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
     return lay, SharedStorage
@@ -156,7 +159,7 @@ def shared_storage(d_qk: int, heads: int = BLOCK_H) -> tuple[dict[str, cute.Comp
 LAYOUT_ORDER = ("q", "dout", "kv", "p", "q_t", "dout_t", "kv_t", "p_t")
 
 
-def ws_smem_views(storage: object, layouts: tuple, heads: int) -> dict:
+def ws_smem_views(storage: object, layouts: tuple, heads: int, fixed_point: bool = False) -> dict:
     """The tiles of a ws kernel's shared-memory ``storage`` (:func:`shared_storage`) and their
     MN-major views, by the names the warpgroups use; ``layouts`` in :data:`LAYOUT_ORDER`."""
     q_lay, do_lay, kv_lay, p_lay, qt_lay, dot_lay, kt_lay, pt_lay = layouts
@@ -176,9 +179,9 @@ def ws_smem_views(storage: object, layouts: tuple, heads: int) -> dict:
         "valid": storage.s_valid.get_tensor(cute.make_layout(2 * BLOCK_N)),
         "lse": storage.s_lse.get_tensor(cute.make_layout(heads)),
         "delta": storage.s_delta.get_tensor(cute.make_layout(heads)),
-        "max": storage.s_max.get_tensor(cute.make_layout(BLOCK_N)),
-        "rows": storage.s_rows.get_tensor(cute.make_layout(BLOCK_N)),
-    }
+    } | ({"max": storage.s_max.get_tensor(cute.make_layout(BLOCK_N)),
+          "rows": storage.s_rows.get_tensor(cute.make_layout(BLOCK_N))}
+         if fixed_point else {})
 
 
 class SparseMlaBwdWs(SparseMlaBwdMain):
@@ -239,7 +242,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         s_q_rows = cute.size(q, mode=[0])
         n_hb = self.heads // BLOCK_H
         if s_q_rows > 0:
-            lay, SharedStorage = shared_storage(self.d_qk)
+            lay, SharedStorage = shared_storage(self.d_qk, fixed_point=self.fixed_point)
             self.kernel_ws(
                 q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc, softmax_scale,
                 lay["q"], lay["dout"], lay["kv"], lay["p"], lay["q_t"], lay["dout_t"],
@@ -264,14 +267,15 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                   mma_s: cute.TiledMma, mma_dq_rs: cute.TiledMma,
                   mma_dq_ss: cute.TiledMma, mma_kv: cute.TiledMma,
                   SharedStorage: cutlass.Constexpr) -> None:
-        skip = Int32(0)
+        args = (m_q, m_kv, m_do, m_idx, m_len, m_lse, m_delta, m_dq, m_dkv, softmax_scale,
+                s_q_layout, s_do_layout, s_kv_layout, s_p_layout, s_qt_layout, s_dot_layout,
+                s_kt_layout, s_pt_layout, row_copy, mma_s, mma_dq_rs, mma_dq_ss, mma_kv,
+                SharedStorage)
         if cutlass.const_expr(self.fixed_point):  # a re-launch the runtime found unneeded
-            skip = launch_skipped(m_dkv, cute.size(m_kv, mode=[0]))
-        if skip == 0:
-            self.cta_ws(m_q, m_kv, m_do, m_idx, m_len, m_lse, m_delta, m_dq, m_dkv,
-                        softmax_scale, s_q_layout, s_do_layout, s_kv_layout, s_p_layout,
-                        s_qt_layout, s_dot_layout, s_kt_layout, s_pt_layout, row_copy, mma_s,
-                        mma_dq_rs, mma_dq_ss, mma_kv, SharedStorage)
+            if launch_skipped(m_dkv, cute.size(m_kv, mode=[0])) == 0:
+                self.cta_ws(*args)
+        else:
+            self.cta_ws(*args)
 
     @cute.jit
     def cta_ws(self, m_q: cute.Tensor, m_kv: cute.Tensor, m_do: cute.Tensor,
@@ -304,7 +308,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         storage = smem.allocate(SharedStorage)
         smem_views = ws_smem_views(storage, (s_q_layout, s_do_layout, s_kv_layout, s_p_layout,
                                              s_qt_layout, s_dot_layout, s_kt_layout, s_pt_layout),
-                                   self.cta_heads)
+                                   self.cta_heads, self.fixed_point)
 
         # ---- q, dout -> shared, lse / delta; warpgroup 0 gathers block 0 ----
         self.load_query_row(t, hb, m_q, m_do, m_lse, m_delta, smem_views, row_copy, tidx, wtid,

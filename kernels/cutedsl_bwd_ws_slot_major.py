@@ -115,10 +115,11 @@ def ws_slot_major_smem_layouts(d_qk: int, heads: int) -> dict[str, cute.Composed
     return ws.ws_smem_layouts(d_qk, heads)
 
 
-def shared_storage(d_qk: int, heads: int) -> tuple[dict[str, cute.ComposedLayout], type]:
+def shared_storage(d_qk: int, heads: int,
+                   fixed_point: bool = False) -> tuple[dict[str, cute.ComposedLayout], type]:
     """The layouts of :func:`ws_slot_major_smem_layouts` and the kernel's shared-memory struct
     (call while tracing; ``size_in_bytes()`` is the dynamic shared memory of one CTA)."""
-    return ws.shared_storage(d_qk, heads)
+    return ws.shared_storage(d_qk, heads, fixed_point)
 
 
 class SparseMlaBwdWsSlotMajor(SparseMlaBwdWs):
@@ -158,7 +159,7 @@ class SparseMlaBwdWsSlotMajor(SparseMlaBwdWs):
             Float32, (1, 1, 1), (BLOCK_N, TILE))
         s_q_rows = cute.size(q, mode=[0])
         if s_q_rows > 0:
-            lay, SharedStorage = shared_storage(self.d_qk, heads)
+            lay, SharedStorage = shared_storage(self.d_qk, heads, self.fixed_point)
             # warpgroup 1 takes no dQ^T tile: mma_dq is the score warpgroup's alone
             self.kernel_ws(
                 q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc, softmax_scale,
