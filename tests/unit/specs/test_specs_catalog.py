@@ -38,10 +38,17 @@ def test_default_catalog_is_the_full_matrix():
     specs = [s for s in every if not s.deterministic]
     per_op = 2 * 2 * 4 * 2  # arch x d_qk x heads x layout
     assert len(specs) == per_op * 4  # fwd and bwd, each tilelang and cutedsl
-    deterministic = [s for s in every if s.deterministic]  # the cutedsl bwd of sm_90a, -det ids
+    # the cutedsl bwd of sm_90a, -det ids: the stored-rows default and the fixed-point flavours
+    deterministic = [s for s in every if s.deterministic and s.tile.flavour is None]
     assert len(deterministic) == per_op // 2 and len({s.id for s in deterministic}) == per_op // 2
     assert {(s.op, s.arch, s.backend) for s in deterministic} == {("bwd", "sm_90a", "cutedsl")}
     assert all(s.id.endswith("-det") and KernelSpec.from_id(s.id) == s for s in deterministic)
+    fixed = [s for s in every if s.deterministic and s.tile.flavour is not None]
+    assert {(s.heads, s.tile.flavour) for s in fixed} == {
+        (16, "wgmma_ws_slot_major_fixed"), (32, "wgmma_ws_slot_major_fixed"),
+        (64, "wgmma_ws_fixed"), (128, "wgmma_ws_fixed")}
+    assert len({s.id for s in fixed}) == per_op // 2  # ids of their own (a tile hash, -det-t...)
+    assert all("-det-t" in s.id for s in fixed)
     assert len({s.id for s in specs}) == len(specs)
     assert {s.arch for s in specs} == {"sm_90a", "sm_100a"}
     by_backend = {(op, b): sum(s.op == op and s.backend == b for s in specs)
