@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 from dsa_aot.kernels.dkv_interleave import natural_order
-from dsa_aot.kernels.fixed_point import (CONTROL_SKIP, MAGIC_BITS, PAD_WORDS, VALUE_BITS,
+from dsa_aot.kernels.fixed_point import (CONTROL_SKIP, MAGIC_BITS, VALUE_BITS,
                                          WORD_MAX, WORD_SCALE, row_words)
 
 #: Query rows of the first group (measured, then redone: cheap when small), then of each later one.
@@ -180,5 +180,5 @@ def fixed_point_dkv(launch: MainLaunch, topk_idxs: torch.Tensor, topk_length: to
 
 
 __all__ = ["DEFAULT_EXPONENT", "FIRST_GROUP_ROWS", "GROUP_ROWS", "K_MAX", "K_MIN", "MARGIN_BITS",
-           "PAD_WORDS", "SLACK_BITS", "exponent_guess", "fixed_point_dkv", "group_adds",
+           "SLACK_BITS", "exponent_guess", "fixed_point_dkv", "group_adds",
            "group_bounds", "magnitude_exponent", "preset_words", "scale_bits", "value_bits_bound"]

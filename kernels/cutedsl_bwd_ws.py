@@ -501,7 +501,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                 rows, first = sm["rows"], warp_rows
             if cutlass.const_expr(self.fixed_point):
                 fixed = [rows, first, fixed_stride, fixed_scales(m_dkv, rows, first, lane, d),
-                         fixed_base, sm["max"], warp_rows, rows, first]
+                         fixed_base, sm["max"], warp_rows]
             else:
                 slots = self.dkv_slots(buf, kv_coords, lane)
                 row_ok = [sm["valid"][s] for s in slots]
@@ -532,7 +532,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
             self.add_chunk(wg_rows_cols(acc_kv[(n_chunks - 1) % 2]), kv_coords, row_ok, row_ptr,
                            fixed, (n_chunks - 1) * TILE, lane)
             if cutlass.const_expr(self.fixed_point):
-                flush_max(sm["max"], warp_rows, fixed[7], fixed[8], fixed_stride, fixed_base,
+                flush_max(sm["max"], warp_rows, rows, first, fixed_stride, fixed_base,
                           lane, d)
 
         if cutlass.const_expr(n_dq > 0):

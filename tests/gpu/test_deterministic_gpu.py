@@ -155,13 +155,17 @@ def fast_bwd(q, kv, out, dout, lse, idx, length, sink):
                                   deterministic=False)
 
 
+@pytest.mark.parametrize("mode", settings.DETERMINISTIC_MODES)
 @pytest.mark.parametrize("h,d", [(64, 576), (128, 512), (16, 576), (32, 512)])
-def test_stored_rows_dkv_is_about_as_accurate_as_the_fast_mode(h, d):
-    """Each slot's dkv row is rounded to bf16 once before the fixed-order sum: dkv stays within
-    1.3x of the fast mode's error against the fp32 reference (measured: 1.22x), dq is the same."""
+def test_dkv_is_about_as_accurate_as_the_fast_mode(mode, h, d):
+    """Stored rows: each slot's dkv row is rounded to bf16 once before the fixed-order sum
+    (measured: 1.22x the fast mode's error). Fixed point: each value is rounded to an integer of
+    about 2^-17 of its row's largest. Either way dkv stays within 1.3x of the fast mode's error
+    against the fp32 reference, and dq is the same."""
     q, kv, idx, length, sink, dout = inputs(512, 8192, h, d, 2048, seed=4)
     out, lse = forward(q, kv, idx, length, sink)
-    det = det_bwd(q, kv, out, dout, lse, idx, length, sink)
+    with settings.scope(deterministic_mode=mode):
+        det = det_bwd(q, kv, out, dout, lse, idx, length, sink)
     fast = fast_bwd(q, kv, out, dout, lse, idx, length, sink)
     _, rkv, _ = sparse_mla_bwd_ref(q, kv, out, dout, lse, idx, length, sink, compute_dtype=torch.float32)
     assert torch.equal(det[0], fast[0])  # dq: the same kernel, no atomics
@@ -251,20 +255,6 @@ def test_fixed_point_heavily_repeated_indices_and_nan(fixed_point_mode):
     _, dkv, _ = det_bwd(q, kv, out, dout, lse, idx, length, sink)
     _, fast, _ = fast_bwd(q, kv, out, dout, lse, idx, length, sink)
     assert torch.equal(torch.isnan(dkv).any(1), torch.isnan(fast).any(1))
-
-
-@pytest.mark.parametrize("h,d", [(64, 576), (128, 512), (16, 576), (32, 512)])
-def test_fixed_point_dkv_is_as_accurate_as_the_fast_mode(fixed_point_mode, h, d):
-    """Each value is rounded to an integer of about 2^-17 of its row's largest: dkv stays within
-    1.3x of the fast mode's error against the fp32 reference, dq is the same."""
-    q, kv, idx, length, sink, dout = inputs(512, 8192, h, d, 2048, seed=4)
-    out, lse = forward(q, kv, idx, length, sink)
-    det = det_bwd(q, kv, out, dout, lse, idx, length, sink)
-    fast = fast_bwd(q, kv, out, dout, lse, idx, length, sink)
-    _, rkv, _ = sparse_mla_bwd_ref(q, kv, out, dout, lse, idx, length, sink, compute_dtype=torch.float32)
-    assert torch.equal(det[0], fast[0])  # dq: the same kernel, no atomics
-    assert rel(det[1], rkv) <= 1.3 * rel(fast[1], rkv) + 1e-5
-    assert rel(det[1], fast[1]) <= 5e-3
 
 
 @pytest.mark.parametrize("scale", [2.0 ** 10, 2.0 ** -20])
