@@ -9,7 +9,8 @@ kernel of the call is put in a phase (:func:`phase_of`: the main kernel, the det
 reduction, the pre- and postprocess, the row order's sort and search, other torch kernels); per
 phase its kernels' GPU time and count, and for the call its span on the GPU (first kernel start to
 last kernel end) and the idle time between kernels (span minus the kernels' time). Writes JSON and
-a Markdown table; ``DSA_AOT_DETERMINISTIC_WORKSPACE`` (or ``--workspace``) sets the chunking.
+a Markdown table; ``DSA_AOT_DETERMINISTIC_WORKSPACE`` (or ``--workspace``) sets the stored-rows
+chunking, ``DSA_AOT_DETERMINISTIC_MODE`` (or ``--mode``) the deterministic mode.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def markdown(doc: dict) -> str:
             got = r[mode]
             cells = [f"{got['phases'][n]['ms']:.3f} ({got['phases'][n]['kernels']})"
                      if got["phases"][n]["kernels"] else "-" for n in names]
-            lines.append(f"| {r['heads']} | {r['d_qk']} | {r['topk']} | {mode} | {got['span_ms']:.3f} | "
+            label = mode if mode == "fast" else f"det ({r.get('mode', 'stored_rows')})"
+            lines.append(f"| {r['heads']} | {r['d_qk']} | {r['topk']} | {label} | {got['span_ms']:.3f} | "
                          f"{got['idle_ms']:.3f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -109,19 +111,23 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("bench/results/h200_deterministic_profile.json"))
     ap.add_argument("--rows", type=int, nargs="+", help="only these row numbers (0-based)")
     ap.add_argument("--workspace", type=int, help="deterministic_workspace in bytes (default: the setting)")
+    ap.add_argument("--mode", choices=settings.DETERMINISTIC_MODES, default=None,
+                    help="the deterministic mode profiled (default: the setting)")
     args = ap.parse_args()
     env = environment()
     records = []
     cfg = settings.get()
     with settings.scope(backends=("cutedsl",),
-                        deterministic_workspace=args.workspace or cfg.deterministic_workspace):
+                        deterministic_workspace=args.workspace or cfg.deterministic_workspace,
+                        deterministic_mode=args.mode or cfg.deterministic_mode):
         for i, (s_q, s_kv, h, d, k) in enumerate(ROWS):
             if args.rows and i not in args.rows:
                 continue
             x = make_inputs(s_q, s_kv, h, d, k)
             out, lse = dsa_aot.sparse_mla_fwd(x["q"], x["kv"], x["topk_idxs"], attn_sink=x["attn_sink"])
             rec = {"s_q": s_q, "s_kv": s_kv, "heads": h, "d_qk": d, "topk": k,
-                   "workspace": settings.get().deterministic_workspace, "date": env["date"]}
+                   "workspace": settings.get().deterministic_workspace,
+                   "mode": settings.get().deterministic_mode, "date": env["date"]}
             for mode, det in (("fast", False), ("deterministic", True)):
                 rec[mode] = profile_call(lambda: dsa_aot.sparse_mla_bwd(
                     x["q"], x["kv"], out, x["dout"], lse, x["topk_idxs"], attn_sink=x["attn_sink"],
