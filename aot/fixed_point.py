@@ -11,9 +11,10 @@ enough that no value (``|v 2^k| < 2^22``) and no sum (``< 2^31``) overflows. It 
   ``j``, times the head blocks); ``base_j = min(22, 31 - bit_length(adds_j))`` bounds one value
   so that ``adds_j`` of them cannot overflow;
 * with ``e_j`` the exponent of the row's largest ``|v|`` (``|v| < 2^e_j``), ``k_j = base_j - e_j``;
-* the first group (:data:`FIRST_GROUP_ROWS`) is launched once only to measure ``e_j`` (the
-  kernel ``red.max``-es every row's largest ``|v|``), then again with the exact ``k_j``;
-* every later group is launched with a guess, ``e_j`` from the rows' earlier groups (their
+* the first :data:`SAMPLE_ROWS` query rows are launched once only to measure ``e_j`` (the
+  kernel ``red.max``-es every row's largest ``|v|``; their scale ``2^-126`` makes the adds
+  carry nothing);
+* every group is launched with a guess, ``e_j`` from the sample and the earlier groups (their
   median for a row not seen yet) plus :data:`MARGIN_BITS`; a second launch redoes the group
   with the measured ``e_j`` when a row overflowed (its ``e_j`` was above the guess) or lost more
   than :data:`SLACK_BITS` bits to a guess too high. The kernel reads a skip flag from the
@@ -34,8 +35,9 @@ from dsa_aot.kernels.dkv_interleave import natural_order
 from dsa_aot.kernels.fixed_point import (CONTROL_SKIP, MAGIC_BITS, VALUE_BITS,
                                          WORD_MAX, WORD_SCALE, row_words)
 
-#: Query rows of the first group (measured, then redone: cheap when small), then of each later one.
-FIRST_GROUP_ROWS = 128
+#: Query rows launched once only to measure the rows' magnitudes (the first guesses), and the
+#: query rows of each group.
+SAMPLE_ROWS = 128
 GROUP_ROWS = 4096
 #: Headroom of a guessed exponent over the rows' earlier maxima (16x).
 MARGIN_BITS = 4
@@ -45,6 +47,9 @@ SLACK_BITS = 12
 K_MIN, K_MAX = -126, 126
 #: ``e`` of a row without a measurement in any earlier group and no row to take a median of.
 DEFAULT_EXPONENT = 0
+#: ``e`` of a row that no value (or only zeros) reached yet, and of a non-finite maximum.
+UNSEEN_EXPONENT = -126
+NONFINITE_EXPONENT = 129
 
 #: Launches the main kernel over query rows ``[r0, r1)`` with ``dkv_fixed``.
 MainLaunch = Callable[[int, int, torch.Tensor], None]
@@ -63,34 +68,27 @@ def _natural(d_qk: int, dev: torch.device) -> torch.Tensor:
 
 
 def group_bounds(s_q: int) -> list[tuple[int, int]]:
-    """The query-row groups of a call: :data:`FIRST_GROUP_ROWS`, then :data:`GROUP_ROWS` each."""
-    bounds = [(0, min(s_q, FIRST_GROUP_ROWS))] if s_q else []
-    r0 = bounds[0][1] if bounds else 0
-    while r0 < s_q:
-        bounds.append((r0, min(s_q, r0 + GROUP_ROWS)))
-        r0 = bounds[-1][1]
-    return bounds
+    """The query-row groups of a call: :data:`GROUP_ROWS` each."""
+    return [(r0, min(s_q, r0 + GROUP_ROWS)) for r0 in range(0, s_q, GROUP_ROWS)]
 
 
 def group_adds(topk_idxs: torch.Tensor, topk_length: torch.Tensor | None, s_kv: int,
-               head_blocks: int, bounds: list[tuple[int, int]]) -> torch.Tensor:
-    """``[groups, s_kv]`` int32: the values each word of a KV row receives per group (valid
-    slots, ``0 <= index < s_kv`` and below ``topk_length`` when given, times ``head_blocks``).
-    One integer ``index_add_`` (exact, so deterministic; no host sync)."""
+               head_blocks: int, group_rows: int) -> torch.Tensor:
+    """``[groups, s_kv]`` int32: the values each word of a KV row receives per group of
+    ``group_rows`` query rows (valid slots, ``0 <= index < s_kv`` and below ``topk_length`` when
+    given, times ``head_blocks``). One integer ``index_add_`` (exact, so deterministic; no host
+    sync)."""
     s_q, topk = topk_idxs.shape
     dev = topk_idxs.device
-    groups = len(bounds)
+    groups = -(-s_q // group_rows)
     valid = (topk_idxs >= 0) & (topk_idxs < s_kv)
     if topk_length is not None:
-        slots = torch.arange(topk, device=dev, dtype=torch.int32)
-        valid &= slots < topk_length.clamp(0, topk).to(torch.int32)[:, None]
-    group_of_row = torch.empty(s_q, dtype=torch.int64, device=dev)
-    for g, (r0, r1) in enumerate(bounds):
-        group_of_row[r0:r1] = g
-    key = torch.where(valid, group_of_row[:, None] * (s_kv + 1) + topk_idxs.long(),
-                      group_of_row[:, None] * (s_kv + 1) + s_kv)
+        valid &= torch.arange(topk, device=dev, dtype=torch.int32) < topk_length.clamp(0, topk)[:, None]
+    key = torch.where(valid, topk_idxs, s_kv)  # invalid slots count in the row past the end
+    if groups > 1:
+        key = key + (torch.arange(s_q, device=dev, dtype=torch.int32) // group_rows * (s_kv + 1))[:, None]
     counts = torch.zeros(groups * (s_kv + 1), dtype=torch.int32, device=dev)
-    counts.index_add_(0, key.flatten(), torch.ones(key.numel(), dtype=torch.int32, device=dev))
+    counts.index_add_(0, key.view(-1), torch.ones(1, dtype=torch.int32, device=dev).expand(key.numel()))
     return counts.view(groups, s_kv + 1)[:, :s_kv] * head_blocks
 
 
@@ -114,71 +112,68 @@ def scale_bits(k: torch.Tensor) -> torch.Tensor:
 
 def preset_words(adds: torch.Tensor) -> torch.Tensor:
     """``-adds * MAGIC_BITS`` mod 2^32 as int32: each added value carries ``MAGIC_BITS``."""
-    wrapped = (-adds.long() * MAGIC_BITS) % (1 << 32)
-    return (wrapped - ((wrapped >> 31) << 32)).to(torch.int32)
+    return (adds.long() * -MAGIC_BITS).to(torch.int32)  # int64 -> int32 keeps the low 32 bits
 
 
-def exponent_guess(seen: torch.Tensor, seen_e: torch.Tensor) -> torch.Tensor:
-    """A row's guessed ``e``: its earlier maximum (``seen``), else the median over the seen rows
-    (:data:`DEFAULT_EXPONENT` when none), plus :data:`MARGIN_BITS`. No host sync."""
-    n = seen.sum()
-    big = torch.iinfo(torch.int32).max
-    ordered = torch.sort(torch.where(seen, seen_e, big).int()).values
-    median = ordered.index_select(0, ((n - 1).clamp(min=0) // 2).view(1))[0]
-    median = torch.where(n > 0, median, DEFAULT_EXPONENT)
-    return torch.where(seen, seen_e, median) + MARGIN_BITS
+def exponent_guess(seen_e: torch.Tensor) -> torch.Tensor:
+    """A row's guessed ``e``: its earlier maximum, else (:data:`UNSEEN_EXPONENT`: no value seen)
+    the median over the seen rows (:data:`DEFAULT_EXPONENT` when none), plus
+    :data:`MARGIN_BITS`. No host sync."""
+    unseen = seen_e == UNSEEN_EXPONENT
+    n_unseen = unseen.sum()
+    ordered = torch.sort(seen_e).values  # the unseen rows first
+    middle = ((seen_e.numel() - 1 + n_unseen) // 2).view(1)  # the middle seen row
+    median = ordered.index_select(0, middle)  # not ordered[middle]: that reads it on the host
+    median = torch.where(n_unseen == seen_e.numel(), DEFAULT_EXPONENT, median)
+    return torch.where(unseen, median, seen_e) + MARGIN_BITS
 
 
 def fixed_point_dkv(launch: MainLaunch, topk_idxs: torch.Tensor, topk_length: torch.Tensor | None,
-                    s_kv: int, d_qk: int, head_blocks: int) -> torch.Tensor:
-    """Run the main kernel over every group (:func:`launch`, twice a group) and return dKV as
-    fp32 ``[s_kv, d_qk]`` in natural column order: the groups' fixed-point sums folded in
-    order, NaN rows where a non-finite value was added."""
+                    s_kv: int, d_qk: int, head_blocks: int,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the main kernel once over the sample rows, then twice over every group
+    (:func:`launch`) and return dKV as fp32 ``[s_kv, d_qk]`` in natural column order (into
+    ``out`` when given): the groups' fixed-point sums folded in order, NaN rows where a
+    non-finite value was added. Few torch ops: each costs host time between the launches."""
     dev = topk_idxs.device
-    bounds = group_bounds(topk_idxs.shape[0])
-    adds = group_adds(topk_idxs, topk_length, s_kv, head_blocks, bounds)
-    base = value_bits_bound(adds)
+    s_q = topk_idxs.shape[0]
     fixed = torch.zeros((s_kv + 1, row_words(d_qk)), dtype=torch.int32, device=dev)
     words = fixed[:s_kv, :d_qk]
     scale_word = fixed[:s_kv, d_qk + WORD_SCALE]
     max_word = fixed[:s_kv, d_qk + WORD_MAX]
     skip = fixed[s_kv, CONTROL_SKIP]
-    natural = _natural(d_qk, dev)
+    # the sample first (scale 2^-126: the adds carry nothing, only the maxima count), so that
+    # the GPU measures while the host prepares the groups
+    scale_word.fill_((K_MIN + 127) << 23)
+    if s_q:
+        launch(0, min(s_q, SAMPLE_ROWS), fixed)
     total = torch.zeros((s_kv, d_qk), dtype=torch.float32, device=dev)
-    bad = torch.zeros(s_kv, dtype=torch.bool, device=dev)
-    seen = torch.zeros(s_kv, dtype=torch.bool, device=dev)
-    seen_e = torch.zeros(s_kv, dtype=torch.int32, device=dev)
-
-    for g, (r0, r1) in enumerate(bounds):
-        has = adds[g] > 0
-        preset = preset_words(adds[g])[:, None].expand(s_kv, d_qk)
-        if g == 0:  # measure only (scale 2^-126: the adds carry nothing), then the exact run
-            guess_e = torch.full((s_kv,), K_MAX, dtype=torch.int32, device=dev)
-        else:
-            guess_e = exponent_guess(seen, seen_e)
-        k = torch.clamp(base[g] - guess_e, K_MIN, K_MAX)
-        words.copy_(preset)
+    adds = group_adds(topk_idxs, topk_length, s_kv, head_blocks, GROUP_ROWS)
+    base = value_bits_bound(adds)
+    presets = preset_words(adds)[:, :, None]
+    seen_e = magnitude_exponent(max_word)  # UNSEEN_EXPONENT: no value (or only zeros) yet
+    for g, (r0, r1) in enumerate(group_bounds(s_q)):
+        k = torch.clamp(base[g] - exponent_guess(seen_e), K_MIN, K_MAX)
+        words.copy_(presets[g].expand(s_kv, d_qk))
         scale_word.copy_(scale_bits(k))
         max_word.zero_()
         skip.zero_()
         launch(r0, r1, fixed)
         measured = magnitude_exponent(max_word)
-        bad |= has & (max_word >= 0x7F800000)
         exact = torch.clamp(base[g] - measured, K_MIN, K_MAX)
-        redo = (has & ((k > exact) | (k < exact - SLACK_BITS))).any() | (g == 0)
+        off = exact - k  # < 0: the guess overflowed; > SLACK_BITS: it wasted precision
+        redo = ((adds[g] > 0) & ((off < 0) | (off > SLACK_BITS))).any()
         k = torch.where(redo, exact, k)
-        words.copy_(torch.where(redo, preset, words))
+        torch.where(redo, presets[g], words, out=words)
         scale_word.copy_(scale_bits(k))
-        skip.copy_((~redo).int())
+        skip.copy_(~redo)
         launch(r0, r1, fixed)  # returns at once unless redo
-        total.addcmul_(words.index_select(1, natural).float(),
-                       torch.ldexp(torch.ones_like(total[:, :1]), -k[:, None]))
-        seen_e.copy_(torch.where(has & seen, torch.maximum(seen_e, measured),
-                                 torch.where(has, measured, seen_e)))
-        seen |= has
-    return torch.where(bad[:, None], float("nan"), total)  # no boolean indexing: no host sync
+        total.addcmul_(words.float(), scale_bits(-k).view(torch.float32)[:, None])
+        seen_e = torch.maximum(seen_e, measured)
+    result = torch.index_select(total, 1, _natural(d_qk, dev), out=out)
+    return result.masked_fill_((seen_e > NONFINITE_EXPONENT - 1)[:, None], float("nan"))
 
 
-__all__ = ["DEFAULT_EXPONENT", "FIRST_GROUP_ROWS", "GROUP_ROWS", "K_MAX", "K_MIN", "MARGIN_BITS",
+__all__ = ["DEFAULT_EXPONENT", "GROUP_ROWS", "NONFINITE_EXPONENT", "SAMPLE_ROWS", "UNSEEN_EXPONENT", "K_MAX", "K_MIN", "MARGIN_BITS",
            "SLACK_BITS", "exponent_guess", "fixed_point_dkv", "group_adds",
            "group_bounds", "magnitude_exponent", "preset_words", "scale_bits", "value_bits_bound"]

@@ -248,7 +248,7 @@ class StagedBwd(BwdKernel):
                                           length, None, delta[part], lse_sink[part], dq[part],
                                           None, None, None, None, None, None, None, fixed))
 
-            dkv_acc.copy_(fixed_point_dkv(run_group, topk_idxs, topk_length, s_kv, d_qk, hb))
+            fixed_point_dkv(run_group, topk_idxs, topk_length, s_kv, d_qk, hb, out=dkv_acc)
             empty = torch.empty((0, d_qk), dtype=torch.bfloat16, device=dev)
             order = torch.empty((0,), dtype=torch.int32, device=dev)
             offsets = torch.zeros((s_kv + 1,), dtype=torch.int32, device=dev)

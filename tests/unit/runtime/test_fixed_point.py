@@ -30,11 +30,14 @@ class ModelKernel:
         self.rng = np.random.default_rng(order_seed)
         self.launches = 0
         self.skipped = 0
+        self.log: list[tuple[int, int, bool]] = []  # (r0, r1, skipped) per launch
         self.interleaved = [dkv_acc_column(c) for c in range(D)]
 
     def __call__(self, r0: int, r1: int, fixed: torch.Tensor) -> None:
         self.launches += 1
-        if int(fixed[self.s_kv, CONTROL_SKIP]) != 0:
+        skipped = int(fixed[self.s_kv, CONTROL_SKIP]) != 0
+        self.log.append((r0, r1, skipped))
+        if skipped:
             self.skipped += 1
             return
         words = fixed.numpy().view(np.uint32)
@@ -74,10 +77,16 @@ def reference(idx, rows, s_kv):
     return ref
 
 
+def redone(kernel: ModelKernel, r0: int) -> bool:
+    """Whether the group starting at query row ``r0`` was launched a second time (not skipped)."""
+    second = [skipped for a, _, skipped in kernel.log if a == r0][-1]
+    return not second
+
+
 @pytest.fixture(autouse=True)
 def small_groups(monkeypatch):
-    """Groups of 4 then 8 query rows: several groups in a small case."""
-    monkeypatch.setattr(fp, "FIRST_GROUP_ROWS", 4)
+    """A sample of 4 query rows, groups of 8: several groups in a small case."""
+    monkeypatch.setattr(fp, "SAMPLE_ROWS", 4)
     monkeypatch.setattr(fp, "GROUP_ROWS", 8)
 
 
@@ -100,8 +109,10 @@ def test_a_later_group_far_above_the_first_is_redone_and_exact():
     out = fp.fixed_point_dkv(kernel, idx, None, 6, D, 1)
     ref = reference(idx, rows, 6)
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
-    # groups [0, 4), [4, 12), [12, 20): the first is redone, the second not, the third is
-    assert (kernel.launches, kernel.skipped) == (6, 1)
+    # the sample [0, 4), then groups [0, 8), [8, 16), [16, 20): rows 12.. overflow the guess
+    # of the second group, which is redone; the third group's guess has seen them
+    assert kernel.log[0] == (0, 4, False) and kernel.launches == 7
+    assert redone(kernel, 8) and not redone(kernel, 16)
 
 
 def test_a_later_group_far_below_the_first_is_redone_for_precision():
@@ -111,7 +122,7 @@ def test_a_later_group_far_below_the_first_is_redone_for_precision():
     out = fp.fixed_point_dkv(kernel, idx, None, 6, D, 1)
     part = reference(idx[12:], rows[12:], 6)
     small = fp.fixed_point_dkv(ModelKernel(idx[12:], rows[12:], 6), idx[12:], None, 6, D, 1)
-    assert kernel.skipped == 1
+    assert redone(kernel, 16)  # all of its rows 2^20 below the guess: redone for precision
     assert float((small.double() - part).norm() / part.norm()) < 1e-5
     assert float((out.double() - reference(idx, rows, 6)).norm()) < 1e-5 * float(
         reference(idx, rows, 6).norm())
@@ -162,18 +173,22 @@ def test_exponents_scales_and_the_median_guess():
     k = torch.tensor([-126, -1, 0, 5, 126], dtype=torch.int32)
     scales = fp.scale_bits(k).numpy().view(np.float32)
     assert scales.tolist() == [2.0 ** -126, 0.5, 1.0, 32.0, 2.0 ** 126]
-    seen = torch.tensor([True, False, True, True, False])
-    seen_e = torch.tensor([3, 0, -5, 10, 0], dtype=torch.int32)
-    guess = fp.exponent_guess(seen, seen_e)
+    seen_e = torch.tensor([3, -126, -5, 10, -126], dtype=torch.int32)  # -126: not seen
+    guess = fp.exponent_guess(seen_e)
     assert guess.tolist() == [3 + 4, 3 + 4, -5 + 4, 10 + 4, 3 + 4]
-    none = fp.exponent_guess(torch.zeros(3, dtype=torch.bool), torch.zeros(3, dtype=torch.int32))
+    even = fp.exponent_guess(torch.tensor([-126, 8, 2, -126, 5, 1], dtype=torch.int32))
+    assert even.tolist() == [2 + 4, 8 + 4, 2 + 4, 2 + 4, 5 + 4, 1 + 4]  # lower middle of 1 2 5 8
+    none = fp.exponent_guess(torch.full((3,), -126, dtype=torch.int32))
     assert none.tolist() == [fp.DEFAULT_EXPONENT + fp.MARGIN_BITS] * 3
 
 
 def test_group_bounds_and_adds():
     assert fp.group_bounds(0) == []
     assert fp.group_bounds(3) == [(0, 3)]
-    assert fp.group_bounds(21) == [(0, 4), (4, 12), (12, 20), (20, 21)]
+    assert fp.group_bounds(21) == [(0, 8), (8, 16), (16, 21)]
     idx = torch.tensor([[0, 0, 2], [1, -1, 5], [2, 2, 2], [0, 1, 2], [3, 3, 9]], dtype=torch.int32)
-    adds = fp.group_adds(idx, None, 4, 2, fp.group_bounds(5))
+    adds = fp.group_adds(idx, None, 4, 2, 4)
     assert adds.tolist() == [[6, 4, 10, 0], [0, 0, 0, 4]]
+    assert fp.group_adds(idx, None, 4, 1, 8).tolist() == [[3, 2, 5, 2]]
+    length = torch.tensor([1, 3, 0, 2, 9], dtype=torch.int32)
+    assert fp.group_adds(idx, length, 4, 1, 2).tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 2]]
