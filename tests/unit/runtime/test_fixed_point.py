@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsa_aot import fixed_point as fp
 from dsa_aot.kernels.dkv_interleave import dkv_acc_column
@@ -192,3 +193,31 @@ def test_group_bounds_and_adds():
     assert fp.group_adds(idx, None, 4, 1, 8).tolist() == [[3, 2, 5, 2]]
     length = torch.tensor([1, 3, 0, 2, 9], dtype=torch.int32)
     assert fp.group_adds(idx, length, 4, 1, 2).tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 2]]
+
+
+class OpLog(TorchDispatchMode):
+    """Every aten op run inside the block, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_host_read_and_few_torch_ops_a_group():
+    """The protocol never brings a device value to the host (``.item()``, a tensor used as an
+    index: a host sync on a GPU, and no CUDA-graph capture), and its torch ops stay few: each
+    one costs host time between the launches."""
+    idx, rows = case(s_q=30, s_kv=12, topk=6, heads=1)
+    counts = []
+    for group_rows in (64, 8):  # one group, four groups
+        fp.GROUP_ROWS = group_rows
+        with OpLog() as log:
+            fp.fixed_point_dkv(lambda r0, r1, fixed: None, idx, None, 12, D, 1)
+        assert not [op for op in log.ops if "_local_scalar_dense" in op or "item" in op]
+        counts.append(len(log.ops))
+    per_group = (counts[1] - counts[0]) / 3
+    assert counts[0] <= 100 and per_group <= 60, counts
