@@ -207,14 +207,14 @@ class OpLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_no_host_read_and_few_torch_ops_a_group():
+def test_no_host_read_and_few_torch_ops_a_group(monkeypatch):
     """The protocol never brings a device value to the host (``.item()``, a tensor used as an
     index: a host sync on a GPU, and no CUDA-graph capture), and its torch ops stay few: each
     one costs host time between the launches."""
     idx, rows = case(s_q=30, s_kv=12, topk=6, heads=1)
     counts = []
     for group_rows in (64, 8):  # one group, four groups
-        fp.GROUP_ROWS = group_rows
+        monkeypatch.setattr(fp, "GROUP_ROWS", group_rows)
         with OpLog() as log:
             fp.fixed_point_dkv(lambda r0, r1, fixed: None, idx, None, 12, D, 1)
         assert not [op for op in log.ops if "_local_scalar_dense" in op or "item" in op]
