@@ -51,16 +51,22 @@ def phase_of(kernel_name: str) -> str:
 
 def summarize(kernels: list[tuple[str, float, float]]) -> dict:
     """Per phase the GPU time (ms) and count of ``kernels`` ``(name, start_us, end_us)``, the
-    call's span on the GPU and its idle time between kernels (ms)."""
+    call's span on the GPU, its idle time between kernels (ms) and each main-kernel launch's
+    time in launch order (the fixed-point mode launches it several times a call)."""
     phases = {phase: {"ms": 0.0, "kernels": 0} for phase, _ in PHASES}
-    for name, start, end in kernels:
-        p = phases[phase_of(name)]
+    main_launches = []
+    for name, start, end in sorted(kernels, key=lambda k: k[1]):
+        phase = phase_of(name)
+        p = phases[phase]
         p["ms"] += (end - start) / 1e3
         p["kernels"] += 1
+        if phase == "main":
+            main_launches.append(round((end - start) / 1e3, 4))
     busy = sum(p["ms"] for p in phases.values())
     span = (max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)) / 1e3 if kernels else 0.0
     return {"span_ms": round(span, 4), "idle_ms": round(max(0.0, span - busy), 4),
-            "phases": {k: {"ms": round(v["ms"], 4), "kernels": v["kernels"]} for k, v in phases.items()}}
+            "phases": {k: {"ms": round(v["ms"], 4), "kernels": v["kernels"]} for k, v in phases.items()},
+            "main_launch_ms": main_launches}
 
 
 def gpu_kernels(prof) -> list[tuple[str, float, float]]:
@@ -100,7 +106,7 @@ def markdown(doc: dict) -> str:
             got = r[mode]
             cells = [f"{got['phases'][n]['ms']:.3f} ({got['phases'][n]['kernels']})"
                      if got["phases"][n]["kernels"] else "-" for n in names]
-            label = mode if mode == "fast" else f"det ({r.get('mode', 'stored_rows')})"
+            label = mode if mode == "fast" or "mode" not in r else f"deterministic ({r['mode']})"
             lines.append(f"| {r['heads']} | {r['d_qk']} | {r['topk']} | {label} | {got['span_ms']:.3f} | "
                          f"{got['idle_ms']:.3f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

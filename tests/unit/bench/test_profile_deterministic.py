@@ -57,8 +57,21 @@ def test_phases_sum_kernel_time_and_the_gaps_are_idle(prof):
     assert got["phases"]["sort"] == {"ms": 0.1, "kernels": 2}
     assert got["phases"]["reduce"] == {"ms": 1.2, "kernels": 1}
     assert got["phases"]["postprocess"] == {"ms": 0.0, "kernels": 0}
+    assert got["main_launch_ms"] == [3.0]
     assert prof.summarize([]) == {"span_ms": 0.0, "idle_ms": 0.0,
-                                  "phases": {p: {"ms": 0.0, "kernels": 0} for p, _ in prof.PHASES}}
+                                  "phases": {p: {"ms": 0.0, "kernels": 0} for p, _ in prof.PHASES},
+                                  "main_launch_ms": []}
+
+
+def test_each_main_launch_is_listed_in_launch_order(prof):
+    """The fixed-point mode launches the main kernel several times a call: sample, guess, redo."""
+    kernels = [("kernel_ws_dsa_aotkernelscutedsl_bwd_wsSparseMlaBwdWs", 2000.0, 12000.0),
+               ("kernel_ws_dsa_aotkernelscutedsl_bwd_wsSparseMlaBwdWs", 100.0, 600.0),
+               ("elementwise_kernel", 600.0, 700.0),
+               ("kernel_ws_dsa_aotkernelscutedsl_bwd_wsSparseMlaBwdWs", 12000.0, 12014.0)]
+    got = prof.summarize(kernels)
+    assert got["main_launch_ms"] == [0.5, 10.0, 0.014]
+    assert got["phases"]["main"] == {"ms": pytest.approx(10.514), "kernels": 3}
 
 
 def test_markdown_has_a_row_per_shape_and_mode(prof):
@@ -71,4 +84,7 @@ def test_markdown_has_a_row_per_shape_and_mode(prof):
     lines = prof.markdown(doc).splitlines()
     rows = [line for line in lines if line.startswith("| 64 | 576 | 2048 |")]
     assert [r.split(" | ")[3] for r in rows] == ["fast", "deterministic"]
+    doc["records"][0]["mode"] = "fixed_point"  # recorded since the mode is chosen per run
+    rows = [line for line in prof.markdown(doc).splitlines() if line.startswith("| 64 | 576 | 2048 |")]
+    assert [r.split(" | ")[3] for r in rows] == ["fast", "deterministic (fixed_point)"]
     assert "| 1.000 (1) |" in rows[0] and "| 0.010 (1) |" in rows[0] and " - |" in rows[0]
