@@ -11,7 +11,12 @@ two measured launches (plus our backward's pre/postprocess kernels)::
 
 Peers: FlashMLA's ``sparse_prefill_fwd`` for ``--op fwd`` (``--flashmla`` or ``FLASHMLA_SO``),
 the cuDNN frontend's ``sparse_attention_backward_wrapper`` for ``--op bwd``; a missing peer is
-skipped. Our kernel comes through the public API (``DSA_AOT_*`` settings apply).
+skipped (``--no-peer`` skips it too). Our kernel comes through the public API (``DSA_AOT_*``
+settings apply). ``--deterministic stored_rows|fixed_point`` profiles our deterministic backward
+in that mode instead of the fast one; a fixed-point call with S_q up to
+``dsa_aot.fixed_point.GROUP_ROWS`` launches the main kernel three times (the measuring sample,
+the group, its re-launch that returns at once unless needed), so ``--kernel-name
+regex:cutedsl_bwd_ws --launch-skip 1 --launch-count 1`` selects the group's launch.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from bench_sparse_mla import peer_bwd, peer_fwd  # noqa: E402
 from common import make_inputs  # noqa: E402
 
 import dsa_aot  # noqa: E402
+from dsa_aot import settings  # noqa: E402
 
 
 def main() -> int:
@@ -35,6 +41,9 @@ def main() -> int:
     ap.add_argument("--shape", type=int, nargs=5, metavar=("S_Q", "S_KV", "H", "D_QK", "K"),
                     default=[4096, 8192, 64, 576, 2048])
     ap.add_argument("--flashmla", help="compiled FlashMLA library (_flashmla_C.abi3.so); default $FLASHMLA_SO")
+    ap.add_argument("--deterministic", choices=settings.DETERMINISTIC_MODES,
+                    help="bwd: our deterministic backward in this mode instead of the fast one")
+    ap.add_argument("--no-peer", action="store_true", help="profile our kernel only")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("profile_pair.py needs a CUDA GPU", file=sys.stderr)
@@ -43,15 +52,21 @@ def main() -> int:
     x = make_inputs(s_q, s_kv, h, d, k)
     scale = d ** -0.5
     if args.op == "fwd":
-        flashmla = peer_fwd(args.flashmla)
+        flashmla = None if args.no_peer else peer_fwd(args.flashmla)
         calls = [lambda: dsa_aot.sparse_mla_fwd(x["q"], x["kv"], x["topk_idxs"], attn_sink=x["attn_sink"])]
         if flashmla is not None:
             calls.append(lambda: flashmla(x, scale))
     else:
         out, lse = dsa_aot.sparse_mla_fwd(x["q"], x["kv"], x["topk_idxs"], attn_sink=x["attn_sink"])
-        cudnn = peer_bwd()
-        calls = [lambda: dsa_aot.sparse_mla_bwd(x["q"], x["kv"], out, x["dout"], lse, x["topk_idxs"],
-                                                attn_sink=x["attn_sink"])]
+        cudnn = None if args.no_peer else peer_bwd()
+        det = args.deterministic is not None
+        mode = args.deterministic or settings.get().deterministic_mode
+
+        def ours():
+            with settings.scope(deterministic_mode=mode):
+                return dsa_aot.sparse_mla_bwd(x["q"], x["kv"], out, x["dout"], lse, x["topk_idxs"],
+                                              attn_sink=x["attn_sink"], deterministic=det)
+        calls = [ours]
         if cudnn is not None:
             calls.append(lambda: cudnn(x["q"], x["kv"], out, x["dout"], lse, x["attn_sink"], x["topk_idxs"]))
     for call in calls:
