@@ -221,3 +221,12 @@ def test_no_host_read_and_few_torch_ops_a_group(monkeypatch):
         counts.append(len(log.ops))
     per_group = (counts[1] - counts[0]) / 3
     assert counts[0] <= 100 and per_group <= 60, counts
+
+
+def test_no_query_row_launches_nothing_and_sums_to_zero():
+    launches = []
+    for length in (None, torch.zeros(0, dtype=torch.int32)):
+        out = fp.fixed_point_dkv(lambda r0, r1, fixed: launches.append((r0, r1)),
+                                 torch.zeros((0, 4), dtype=torch.int32), length, 5, D, 2)
+        assert out.shape == (5, D) and torch.equal(out, torch.zeros(5, D))
+    assert launches == []
