@@ -14,13 +14,18 @@ enough that no value (``|v 2^k| < 2^22``) and no sum (``< 2^31``) overflows. It 
 * the first :data:`SAMPLE_ROWS` query rows are launched once only to measure ``e_j`` (the
   kernel ``red.max``-es every row's largest ``|v|``; their scale ``2^-126`` makes the adds
   carry nothing);
-* every group is launched with a guess, ``e_j`` from the sample and the earlier groups (their
-  median for a row not seen yet) plus :data:`MARGIN_BITS`; a second launch redoes the group
-  with the measured ``e_j`` when a row overflowed (its ``e_j`` was above the guess) or lost more
-  than :data:`SLACK_BITS` bits to a guess too high. The kernel reads a skip flag from the
-  control row, so the second launch is always queued and returns at once when not needed: no
-  host sync anywhere, and the call can be captured in a CUDA graph;
-* each group's integer sums are folded into an fp32 total, ``sum * 2^-k_j``, groups in order.
+* every group is launched with a guess: ``e_j`` from the sample and the earlier groups (their
+  median for a row not seen yet) plus :data:`MARGIN_BITS`, and ``base_j`` for at most one add
+  per query row and head block (distinct indices), so that nothing but the guess has to be
+  ready before the launch; the exact counts are made while the GPU runs it. A second launch
+  redoes the group with the measured ``e_j`` and the exact counts when a row overflowed (its
+  ``e_j`` above the guess, or more adds than the bound) or lost more than :data:`SLACK_BITS`
+  bits to a guess too high. The kernel reads a skip flag from the control row, so the second
+  launch is always queued and returns at once when not needed: no host sync anywhere, and the
+  call can be captured in a CUDA graph;
+* the words start at zero; each add carries ``MAGIC_BITS``, which :func:`integer_sums` removes
+  (``adds_j * MAGIC_BITS`` modulo 2^32) before each group's sums are folded into an fp32 total,
+  ``sum * 2^-k_j``, groups in order.
 
 Every decision depends on the inputs only (maxima are order-free), so the bits do too.
 """
@@ -110,9 +115,11 @@ def scale_bits(k: torch.Tensor) -> torch.Tensor:
     return ((k + 127) << 23).to(torch.int32)
 
 
-def preset_words(adds: torch.Tensor) -> torch.Tensor:
-    """``-adds * MAGIC_BITS`` mod 2^32 as int32: each added value carries ``MAGIC_BITS``."""
-    return (adds.long() * -MAGIC_BITS).to(torch.int32)  # int64 -> int32 keeps the low 32 bits
+def integer_sums(words: torch.Tensor, adds: torch.Tensor) -> torch.Tensor:
+    """A group's integer sums from its rows' words (``[s_kv, D]`` int32) after ``adds`` values
+    (``[s_kv]``) were added to each word: every add carried ``MAGIC_BITS``, so subtract ``adds *
+    MAGIC_BITS`` modulo 2^32."""
+    return (words.long() - adds.long()[:, None] * MAGIC_BITS).to(torch.int32)  # low 32 bits
 
 
 def exponent_guess(seen_e: torch.Tensor) -> torch.Tensor:
@@ -142,33 +149,34 @@ def fixed_point_dkv(launch: MainLaunch, topk_idxs: torch.Tensor, topk_length: to
     scale_word = fixed[:s_kv, d_qk + WORD_SCALE]
     max_word = fixed[:s_kv, d_qk + WORD_MAX]
     skip = fixed[s_kv, CONTROL_SKIP]
-    # the sample first (scale 2^-126: the adds carry nothing, only the maxima count), so that
-    # the GPU measures while the host prepares the groups
+    # the sample (scale 2^-126: the adds carry nothing, only the maxima count)
     scale_word.fill_((K_MIN + 127) << 23)
     if s_q:
         launch(0, min(s_q, SAMPLE_ROWS), fixed)
-    total = torch.zeros((s_kv, d_qk), dtype=torch.float32, device=dev)
-    adds = group_adds(topk_idxs, topk_length, s_kv, head_blocks, GROUP_ROWS)
-    base = value_bits_bound(adds)
-    presets = preset_words(adds)[:, :, None]
     seen_e = magnitude_exponent(max_word)  # UNSEEN_EXPONENT: no value (or only zeros) yet
+    total = torch.zeros((s_kv, d_qk), dtype=torch.float32, device=dev)
+    adds = base = None
     for g, (r0, r1) in enumerate(group_bounds(s_q)):
-        k = torch.clamp(base[g] - exponent_guess(seen_e), K_MIN, K_MAX)
-        words.copy_(presets[g].expand(s_kv, d_qk))
+        # the guess needs no count: a group adds at most once a query row and head block to a
+        # row (distinct indices); the exact counts are made while the GPU runs the group
+        bound = min(VALUE_BITS, 31 - ((r1 - r0) * head_blocks).bit_length())
+        k = torch.clamp(bound - exponent_guess(seen_e), K_MIN, K_MAX)
+        fixed.zero_()
         scale_word.copy_(scale_bits(k))
-        max_word.zero_()
-        skip.zero_()
         launch(r0, r1, fixed)
+        if adds is None:
+            adds = group_adds(topk_idxs, topk_length, s_kv, head_blocks, GROUP_ROWS)
+            base = value_bits_bound(adds)
         measured = magnitude_exponent(max_word)
         exact = torch.clamp(base[g] - measured, K_MIN, K_MAX)
         off = exact - k  # < 0: the guess overflowed; > SLACK_BITS: it wasted precision
         redo = ((adds[g] > 0) & ((off < 0) | (off > SLACK_BITS))).any()
         k = torch.where(redo, exact, k)
-        torch.where(redo, presets[g], words, out=words)
+        words.masked_fill_(redo, 0)
         scale_word.copy_(scale_bits(k))
         skip.copy_(~redo)
         launch(r0, r1, fixed)  # returns at once unless redo
-        total.addcmul_(words.float(), scale_bits(-k).view(torch.float32)[:, None])
+        total.addcmul_(integer_sums(words, adds[g]).float(), scale_bits(-k).view(torch.float32)[:, None])
         seen_e = torch.maximum(seen_e, measured)
     result = torch.index_select(total, 1, _natural(d_qk, dev), out=out)
     return result.masked_fill_((seen_e > NONFINITE_EXPONENT - 1)[:, None], float("nan"))
@@ -176,4 +184,4 @@ def fixed_point_dkv(launch: MainLaunch, topk_idxs: torch.Tensor, topk_length: to
 
 __all__ = ["DEFAULT_EXPONENT", "GROUP_ROWS", "NONFINITE_EXPONENT", "SAMPLE_ROWS", "UNSEEN_EXPONENT", "K_MAX", "K_MIN", "MARGIN_BITS",
            "SLACK_BITS", "exponent_guess", "fixed_point_dkv", "group_adds",
-           "group_bounds", "magnitude_exponent", "preset_words", "scale_bits", "value_bits_bound"]
+           "group_bounds", "integer_sums", "magnitude_exponent", "scale_bits", "value_bits_bound"]

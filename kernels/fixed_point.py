@@ -6,9 +6,10 @@ import: the runtime and the kernels share it).
 * words ``[0, D)``: the sum of ``rni(v * 2^k_j)`` over every dKV value ``v`` added to the row,
   in the interleaved column order of :mod:`dsa_aot.kernels.dkv_interleave`. The kernel adds
   the bits of ``fma(v, 2^k_j, 1.5 * 2^23)`` with ``red.global.add.u32``: for ``|v 2^k_j| <
-  2^22`` those bits are ``MAGIC_BITS + rni(v 2^k_j)``, so a row preset to ``-adds *
-  MAGIC_BITS`` (mod 2^32, ``adds`` the values each word receives) ends at the exact integer
-  sum. Integer adds commute: the bits do not depend on the order of the adds;
+  2^22`` those bits are ``MAGIC_BITS + rni(v 2^k_j)``, so a row that starts at zero ends at
+  the exact integer sum plus ``adds * MAGIC_BITS`` (mod 2^32, ``adds`` the values each word
+  receives), which the runtime subtracts. Integer adds commute: the bits do not depend on the
+  order of the adds;
 * word ``D + WORD_SCALE``: ``2^k_j`` as fp32 bits, written by the runtime before the launch;
 * word ``D + WORD_MAX``: the largest ``|v|`` added to the row, as fp32 bits (``red.max.u32``;
   non-finite values order above every finite one), which tells the runtime whether ``k_j``

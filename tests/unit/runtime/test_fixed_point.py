@@ -161,11 +161,13 @@ def test_the_count_bound_keeps_every_int32_sum_in_range():
     assert all(a * 2 ** (b + 1) >= 2 ** 31 for a, b in zip(adds.tolist(), base.tolist()) if b < 22)
 
 
-def test_preset_cancels_the_magic_bits_of_every_add():
+def test_integer_sums_remove_the_magic_bits_every_add_carried():
     adds = torch.tensor([0, 1, 7, 4096, 1 << 20], dtype=torch.int32)
-    preset = fp.preset_words(adds).numpy().view(np.uint32).astype(np.uint64)
+    sums = torch.tensor([[0, 0], [-5, 3], [2**22 - 1, -(2**22)], [-(2**30), 2**30 + 7], [-1, 1]])
     magic = np.uint64(np.float32(MAGIC).view(np.uint32))
-    assert ((preset + adds.numpy().astype(np.uint64) * magic) % (1 << 32) == 0).all()
+    words = (sums.numpy().astype(np.int64) + adds.numpy().astype(np.int64)[:, None] * int(magic))
+    words = torch.from_numpy((words % (1 << 32)).astype(np.uint32).view(np.int32))
+    assert torch.equal(fp.integer_sums(words, adds), sums.to(torch.int32))
 
 
 def test_exponents_scales_and_the_median_guess():
@@ -209,15 +211,17 @@ class OpLog(TorchDispatchMode):
 
 def test_no_host_read_and_few_torch_ops_a_group(monkeypatch):
     """The protocol never brings a device value to the host (``.item()``, a tensor used as an
-    index: a host sync on a GPU, and no CUDA-graph capture), and its torch ops stay few: each
-    one costs host time between the launches."""
+    index: a host sync on a GPU, and no CUDA-graph capture), and its torch ops stay few, fewest
+    before the first group's launch: until then the GPU waits for the host."""
     idx, rows = case(s_q=30, s_kv=12, topk=6, heads=1)
     counts = []
     for group_rows in (64, 8):  # one group, four groups
         monkeypatch.setattr(fp, "GROUP_ROWS", group_rows)
         with OpLog() as log:
-            fp.fixed_point_dkv(lambda r0, r1, fixed: None, idx, None, 12, D, 1)
+            at = []
+            fp.fixed_point_dkv(lambda r0, r1, fixed: at.append(len(log.ops)), idx, None, 12, D, 1)
         assert not [op for op in log.ops if "_local_scalar_dense" in op or "item" in op]
+        assert at[0] <= 12 and at[1] - at[0] <= 25, at  # before the sample, then the first group
         counts.append(len(log.ops))
     per_group = (counts[1] - counts[0]) / 3
     assert counts[0] <= 100 and per_group <= 60, counts
