@@ -176,12 +176,14 @@ def fixed_point_dkv(launch: MainLaunch, topk_idxs: torch.Tensor, topk_length: to
         scale_word.copy_(scale_bits(k))
         skip.copy_(~redo)
         launch(r0, r1, fixed)  # returns at once unless redo
-        total.addcmul_(integer_sums(words, adds[g]).float(), scale_bits(-k).view(torch.float32)[:, None])
+        inverse = scale_bits(-k).view(torch.float32)[:, None]  # 2^-k
+        total.addcmul_(integer_sums(words, adds[g]).float(), inverse)
         seen_e = torch.maximum(seen_e, measured)
     result = torch.index_select(total, 1, _natural(d_qk, dev), out=out)
     return result.masked_fill_((seen_e > NONFINITE_EXPONENT - 1)[:, None], float("nan"))
 
 
-__all__ = ["DEFAULT_EXPONENT", "GROUP_ROWS", "NONFINITE_EXPONENT", "SAMPLE_ROWS", "UNSEEN_EXPONENT", "K_MAX", "K_MIN", "MARGIN_BITS",
-           "SLACK_BITS", "exponent_guess", "fixed_point_dkv", "group_adds",
-           "group_bounds", "integer_sums", "magnitude_exponent", "scale_bits", "value_bits_bound"]
+__all__ = ["DEFAULT_EXPONENT", "GROUP_ROWS", "K_MAX", "K_MIN", "MARGIN_BITS", "NONFINITE_EXPONENT",
+           "SAMPLE_ROWS", "SLACK_BITS", "UNSEEN_EXPONENT", "exponent_guess", "fixed_point_dkv",
+           "group_adds", "group_bounds", "integer_sums", "magnitude_exponent", "scale_bits",
+           "value_bits_bound"]
