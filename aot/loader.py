@@ -365,11 +365,8 @@ class Loader:
     def _spec(self, op: str, arch: str, d_qk: int, heads: int, layout: str, backend: str,
               deterministic: bool = False) -> KernelSpec:
         widths = self.topk_widths(backend, op, arch) if op in BACKENDS[backend].topk_ops else []
-        tile = {}
-        if deterministic and backend == "cutedsl" and _settings.get().deterministic_mode == "fixed_point":
-            from dsa_aot.backends.cutedsl.flavours import FIXED_POINT_IMPL_BY_HEADS
-
-            tile = {"tile": {"flavour": FIXED_POINT_IMPL_BY_HEADS.get(heads)}}
+        flavour = BACKENDS[backend].call_flavour(heads, deterministic)
+        tile = {"tile": {"flavour": flavour}} if flavour else {}
         return KernelSpec(op=op, arch=arch, d_qk=d_qk, heads=heads, layout=layout, backend=backend,
                           topk=widths[-1] if widths else None, deterministic=deterministic, **tile)
 

@@ -105,6 +105,11 @@ class KernelBackend(ABC):
     def implements(self, op: str) -> bool:
         return op in self.stages
 
+    def call_flavour(self, heads: int, deterministic: bool) -> str | None:
+        """The tile flavour of the spec the loader serves a call from (None: the catalog's
+        default spec); a backend whose settings pick other kernels names their flavour."""
+        return None
+
     def stage_module(self, spec: KernelSpec, stage: str) -> str:
         """The kernel module that builds ``stage`` of ``spec`` (a backend whose flavours live in
         modules of their own picks by ``spec.tile``)."""

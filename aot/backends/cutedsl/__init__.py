@@ -44,6 +44,17 @@ class CuteDslBackend(KernelBackend):
         impl = stage_impl(stage, spec.arch, spec.heads, spec.tile.flavour, spec.deterministic)
         return kernel_entry(stage, impl)[0]
 
+    def call_flavour(self, heads: int, deterministic: bool) -> str | None:
+        """``DSA_AOT_DETERMINISTIC_MODE=fixed_point``: deterministic calls use the fixed-point
+        flavours (their own ``-det`` specs)."""
+        from dsa_aot import settings
+
+        if not deterministic or settings.get().deterministic_mode != "fixed_point":
+            return None
+        from dsa_aot.backends.cutedsl.flavours import FIXED_POINT_IMPL_BY_HEADS
+
+        return FIXED_POINT_IMPL_BY_HEADS.get(heads)
+
     def check_spec(self, spec: KernelSpec) -> None:
         from dsa_aot.backends.cutedsl.build import requests_for
 
