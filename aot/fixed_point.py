@@ -180,7 +180,7 @@ def fixed_point_dkv(launch: MainLaunch, topk_idxs: torch.Tensor, topk_length: to
         total.addcmul_(integer_sums(words, adds[g]).float(), inverse)
         seen_e = torch.maximum(seen_e, measured)
     result = torch.index_select(total, 1, _natural(d_qk, dev), out=out)
-    return result.masked_fill_((seen_e > NONFINITE_EXPONENT - 1)[:, None], float("nan"))
+    return result.masked_fill_((seen_e >= NONFINITE_EXPONENT)[:, None], float("nan"))
 
 
 __all__ = ["DEFAULT_EXPONENT", "GROUP_ROWS", "K_MAX", "K_MIN", "MARGIN_BITS", "NONFINITE_EXPONENT",

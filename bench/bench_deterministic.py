@@ -68,11 +68,12 @@ def measure(x: dict, out: torch.Tensor, lse: torch.Tensor, reps: int, rounds: in
 def workspace_bytes(s_q: int, s_kv: int, heads: int, d_qk: int, topk: int, mode: str) -> int:
     """The deterministic call's dkv workspace. Stored rows: one chunk's bf16 dkv rows, the fp32
     running sum and the row order (int32, at least one entry per stored row). Fixed point: the
-    int32 rows with their scale, max and control words, the fp32 total and accumulator, one
-    group's preset and the per-group add counts."""
+    int32 rows with their scale, max and control words, the fp32 total and accumulator, the
+    per-group add counts and a group fold's int64 and fp32 temporaries."""
     if mode == "fixed_point":
         groups = len(group_bounds(s_q))
-        return (s_kv + 1) * row_words(d_qk) * 4 + 3 * s_kv * d_qk * 4 + groups * (s_kv + 1) * 4
+        return ((s_kv + 1) * row_words(d_qk) * 4 + s_kv * d_qk * (4 + 4 + 8 + 4)
+                + groups * (s_kv + 1) * 4)
     hb = head_blocks(heads)
     rows = min(s_q, deterministic_chunk_rows(s_q, topk, hb, d_qk, settings.get().deterministic_workspace))
     return rows * topk * hb * (d_qk * 2 + 4) + s_kv * d_qk * 4
