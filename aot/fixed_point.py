@@ -23,9 +23,9 @@ enough that no value (``|v 2^k| < 2^22``) and no sum (``< 2^31``) overflows. It 
   bits to a guess too high. The kernel reads a skip flag from the control row, so the second
   launch is always queued and returns at once when not needed: no host sync anywhere, and the
   call can be captured in a CUDA graph;
-* the words start at zero; each add carries ``MAGIC_BITS``, which :func:`integer_sums` removes
-  (``adds_j * MAGIC_BITS`` modulo 2^32) before each group's sums are folded into an fp32 total,
-  ``sum * 2^-k_j``, groups in order.
+* the words start at zero; the kernel adds two neighbouring words at a time as one exact int64
+  (``n_lo + 2^32 n_hi``), which :func:`integer_sums` splits back into the two words' sums before
+  each group's sums are folded into an fp32 total, ``sum * 2^-k_j``, groups in order.
 
 Every decision depends on the inputs only (maxima are order-free), so the bits do too.
 """
@@ -37,8 +37,7 @@ from collections.abc import Callable
 import torch
 
 from dsa_aot.kernels.dkv_interleave import natural_order
-from dsa_aot.kernels.fixed_point import (CONTROL_SKIP, MAGIC_BITS, VALUE_BITS,
-                                         WORD_MAX, WORD_SCALE, row_words)
+from dsa_aot.kernels.fixed_point import CONTROL_SKIP, VALUE_BITS, WORD_MAX, WORD_SCALE, row_words
 
 #: Query rows launched once only to measure the rows' magnitudes (the first guesses), and the
 #: query rows of each group.
@@ -115,11 +114,14 @@ def scale_bits(k: torch.Tensor) -> torch.Tensor:
     return ((k + 127) << 23).to(torch.int32)
 
 
-def integer_sums(words: torch.Tensor, adds: torch.Tensor) -> torch.Tensor:
-    """A group's integer sums from its rows' words (``[s_kv, D]`` int32) after ``adds`` values
-    (``[s_kv]``) were added to each word: every add carried ``MAGIC_BITS``, so subtract ``adds *
-    MAGIC_BITS`` modulo 2^32."""
-    return (words.long() - adds.long()[:, None] * MAGIC_BITS).to(torch.int32)  # low 32 bits
+def integer_sums(words: torch.Tensor) -> torch.Tensor:
+    """A group's integer sums, in place, from its rows' words (``[s_kv, D]`` int32, rows 8-byte
+    aligned). The kernel adds each word pair ``(2m, 2m + 1)`` as the int64 ``n_lo + 2^32 n_hi``,
+    so the pair holds ``S_lo + 2^32 S_hi`` (both sums in ``(-2^31, 2^31)``). Adding ``2^31``
+    leaves ``S_lo + 2^31`` in the low word, with no borrow into the high one, which is then
+    ``S_hi``; flipping bit 31 gives back ``S_lo``. Returns ``words``."""
+    words.view(torch.int64).add_(1 << 31).bitwise_xor_(1 << 31)
+    return words
 
 
 def exponent_guess(seen_e: torch.Tensor) -> torch.Tensor:
@@ -177,7 +179,7 @@ def fixed_point_dkv(launch: MainLaunch, topk_idxs: torch.Tensor, topk_length: to
         skip.copy_(~redo)
         launch(r0, r1, fixed)  # returns at once unless redo
         inverse = scale_bits(-k).view(torch.float32)[:, None]  # 2^-k
-        total.addcmul_(integer_sums(words, adds[g]).float(), inverse)
+        total.addcmul_(integer_sums(words).float(), inverse)
         seen_e = torch.maximum(seen_e, measured)
     result = torch.index_select(total, 1, _natural(d_qk, dev), out=out)
     return result.masked_fill_((seen_e >= NONFINITE_EXPONENT)[:, None], float("nan"))

@@ -7,9 +7,9 @@ The layout of ``dkv_fixed`` is :mod:`dsa_aot.kernels.fixed_point`. The dKV warpg
   fragment row, side of a quad pair and quad pair; -1 for an invalid slot) and the scales of
   the 4 rows this lane's own values belong to;
 * :func:`add_fixed`, per 64-column chunk: each value becomes ``fma(v, 2^k, 1.5 2^23)``'s bits;
-  the 4 quad pairs of the warp transpose their 4-value runs (two butterfly stages) so that one
-  ``red.global.add.u32`` of the warp adds a whole 128-byte line of one row, in the same
-  interleaved column order as the fast mode's fp32 atomics;
+  after the fast mode's lane trade, neighbouring quad pairs trade half their 4-word runs so that
+  one ``red.global.add.u64`` of the warp (two words a lane) adds two whole 128-byte lines, in
+  the same interleaved column order as the fast mode's fp32 atomics;
 * :func:`flush_max`: the row's largest ``|v|`` (``red.global.max.u32`` of fp32 bits).
 
 This module imports ``cutlass``: use it in a build process only.
@@ -22,7 +22,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 
-from dsa_aot.kernels.fixed_point import CONTROL_SKIP, WORD_MAX, WORD_SCALE
+from dsa_aot.kernels.fixed_point import CONTROL_SKIP, PAIR_MAGIC, WORD_MAX, WORD_SCALE
 
 
 def _select(cond, if_value, else_value):
@@ -84,19 +84,25 @@ def red_fixed(base: Int64, row: Int32, stride: Int32, lane_word: Int32, word: cu
 
 
 @cutlass.dsl_user_op
-def red_add_pair(base: Int64, row: Int32, stride: Int32, lane_word: Int32, first_byte: cutlass.Constexpr,
-                 second_byte: cutlass.Constexpr, v0: Int32, v1: Int32, *, loc=None,
-                 ip=None) -> None:
-    """Two ``red.relaxed.gpu.global.add.u32`` into one ``dkv_fixed`` row (``row >= 0``): ``v0``
-    and ``v1`` at byte offsets ``first_byte`` / ``second_byte`` (immediates) from word ``row *
-    stride + lane_word``. One address for both; made inside the block so that the compiler
-    cannot keep one pointer per row, group and chunk alive across the block loop."""
-    _asm(None, [Int64(base), Int32(row), Int32(stride), Int32(lane_word), Int32(v0), Int32(v1)],
-         "{ .reg .pred p; .reg .s32 w; .reg .b64 a; setp.ge.s32 p, $1, 0; "
+def red_add_word_pairs(base: Int64, row: Int32, stride: Int32, lane_word: Int32,
+                       first_byte: cutlass.Constexpr, second_byte: cutlass.Constexpr, lo0: Int32,
+                       hi0: Int32, lo1: Int32, hi1: Int32, *, loc=None, ip=None) -> None:
+    """Two ``red.relaxed.gpu.global.add.u64`` into one ``dkv_fixed`` row (``row >= 0``), of
+    two words' :func:`fixed_bits` each: ``(lo0, hi0)`` at byte offset ``first_byte`` and
+    ``(lo1, hi1)`` at ``second_byte`` (immediates) from word ``row * stride + lane_word``
+    (even). Each pair is added as the int64 ``n_lo + 2^32 n_hi`` (its bits less
+    :data:`PAIR_MAGIC`), so the pair's sum is exact modulo 2^64. One address for both, made
+    inside the block so that the compiler cannot keep one pointer per row, group and chunk
+    alive across the block loop."""
+    _asm(None, [Int64(base), Int32(row), Int32(stride), Int32(lane_word), Int32(lo0), Int32(hi0),
+                Int32(lo1), Int32(hi1)],
+         "{ .reg .pred p; .reg .s32 w; .reg .b64 a, x, y; setp.ge.s32 p, $1, 0; "
          "mad.lo.s32 w, $1, $2, $3; mad.wide.s32 a, w, 4, $0; "
-         f"@p red.relaxed.gpu.global.add.u32 [a+{int(first_byte)}], $4; "
-         f"@p red.relaxed.gpu.global.add.u32 [a+{int(second_byte)}], $5; }}",
-         "l,r,r,r,r,r", True, loc, ip)
+         f"mov.b64 x, {{$4, $5}}; mov.b64 y, {{$6, $7}}; sub.s64 x, x, {PAIR_MAGIC}; "
+         f"sub.s64 y, y, {PAIR_MAGIC}; "
+         f"@p red.relaxed.gpu.global.add.u64 [a+{int(first_byte)}], x; "
+         f"@p red.relaxed.gpu.global.add.u64 [a+{int(second_byte)}], y; }}",
+         "l,r,r,r,r,r,r,r", True, loc, ip)
 
 
 @cutlass.dsl_user_op
@@ -143,19 +149,22 @@ def add_fixed(acc: cute.Tensor, s_idx: cute.Tensor, first: Int32, stride: Int32,
     4``: each becomes ``fma(v, 2^k, 1.5 2^23)``'s bits with that row's scale. As in the fast
     mode it keeps 4 and trades 4 with the neighbouring quad (``lane ^ 4``), so that quad pair
     ``P`` holds the group's 32 values of its lower row (side 0) and of its upper row (side 1),
-    lane ``q`` of the pair the 4 at interleaved words ``w = 4 (q % 4) + 16 ((q / 4) ^ side)``. A
-    4 x 4 transpose over the pairs (``lane ^ 8``, then ``lane ^ 16``) leaves lane ``(P, q)`` with
-    word ``w + P`` of each pair's row ``R``: one add of the warp covers the 32 words (128 bytes)
-    of row ``R``; the two groups of a chunk share the address."""
+    lane ``q`` of the pair the 4 at interleaved words ``w = 4 (q % 4) + 16 ((q / 4) ^ side)``.
+    Neighbouring pairs (``lane ^ 8``) then trade half a run: the even pair's lane keeps words
+    ``w, w + 1`` of its row and takes the odd pair's, the odd pair's lane keeps ``w + 2, w + 3``
+    of its row and takes the even pair's. Each add is one ``red.global.add.u64`` of two words
+    (:func:`red_add_word_pairs`; the low word's carry lands in the high word, which the runtime takes
+    back): an add of the warp covers two whole 128-byte lines, a row of pairs 0-1 and one of
+    pairs 2-3, and the two groups of a chunk share the address."""
     rows = cute.size(acc, mode=[0])
     upper = (lane // 4) % 2
     quad = lane % 4
     pair = lane // 8
-    bits = ((pair % 2) == 0, (pair // 2) == 0)
+    odd = (pair % 2) == 1
     row_max = []
     for r in range(rows):
         peak = Float32(0.0)
-        moved = {}
+        kept = {}
         for g in range(2):
             ints = []
             for i in range(8):
@@ -165,22 +174,17 @@ def add_fixed(acc: cute.Tensor, s_idx: cute.Tensor, first: Int32, stride: Int32,
             got = [cute.arch.shuffle_sync_bfly(ints[4 + i], offset=4) for i in range(4)]
             for side in range(2):
                 x = [_select(upper == side, ints[i], got[i]) for i in range(4)]
-                for stage in range(2):
-                    for j in range(2):
-                        lo = 2 * j if stage == 0 else j
-                        hi = lo + (1 if stage == 0 else 2)
-                        keep = bits[stage]
-                        came = cute.arch.shuffle_sync_bfly(_select(keep, x[hi], x[lo]),
-                                                           offset=8 << stage)
-                        x[lo], x[hi] = _select(keep, x[lo], came), _select(keep, came, x[hi])
-                moved[g, side] = x
+                came = [cute.arch.shuffle_sync_bfly(_select(odd, x[i], x[2 + i]), offset=8)
+                        for i in range(2)]
+                kept[g, side, 0] = [_select(odd, came[i], x[i]) for i in range(2)]
+                kept[g, side, 1] = [_select(odd, x[2 + i], came[i]) for i in range(2)]
         row_max.append(peak)
+        lane_word = 4 * quad + 2 * (pair % 2)
         for side in range(2):
-            lane_word = 4 * quad + 16 * (upper ^ side) + pair
-            for big_r in range(4):
-                red_add_pair(base, s_idx[first + 8 * r + 2 * big_r + side], stride, lane_word,
-                             4 * col0, 4 * (col0 + 32), moved[0, side][big_r],
-                             moved[1, side][big_r])
+            for half in range(2):  # the even pair's row, then the odd pair's
+                row = s_idx[first + 8 * r + 4 * (pair // 2) + 2 * half + side]
+                red_add_word_pairs(base, row, stride, lane_word + 16 * (upper ^ side), 4 * col0,
+                              4 * (col0 + 32), *kept[0, side, half], *kept[1, side, half])
     return row_max
 
 
@@ -215,4 +219,4 @@ def flush_max(s_max: cute.Tensor, warp_rows: Int32, s_idx: cute.Tensor, first: I
 
 
 __all__ = ["add_fixed", "f32_bits", "fixed_scales", "fold_max", "max_abs", "as_f32", "fixed_bits", "flush_max",
-           "launch_skipped", "ld_global_s32", "red_add_pair", "red_fixed"]
+           "launch_skipped", "ld_global_s32", "red_add_word_pairs", "red_fixed"]

@@ -3,13 +3,14 @@ import: the runtime and the kernels share it).
 
 ``dkv_fixed`` is int32 ``[s_kv + 1, D + PAD_WORDS]``. Row ``j < s_kv`` holds KV row ``j``:
 
-* words ``[0, D)``: the sum of ``rni(v * 2^k_j)`` over every dKV value ``v`` added to the row,
-  in the interleaved column order of :mod:`dsa_aot.kernels.dkv_interleave`. The kernel adds
-  the bits of ``fma(v, 2^k_j, 1.5 * 2^23)`` with ``red.global.add.u32``: for ``|v 2^k_j| <
-  2^22`` those bits are ``MAGIC_BITS + rni(v 2^k_j)``, so a row that starts at zero ends at
-  the exact integer sum plus ``adds * MAGIC_BITS`` (mod 2^32, ``adds`` the values each word
-  receives), which the runtime subtracts. Integer adds commute: the bits do not depend on the
-  order of the adds;
+* words ``[0, D)``: the sums of ``rni(v * 2^k_j)`` over every dKV value ``v`` added to the row,
+  in the interleaved column order of :mod:`dsa_aot.kernels.dkv_interleave`, two words at a
+  time: the kernel makes each value's ``n = rni(v 2^k_j)`` as the bits of ``fma(v, 2^k_j, 1.5 *
+  2^23)`` (``MAGIC_BITS + n`` for ``|v 2^k_j| < 2^22``) and adds the words ``2m, 2m + 1`` as the
+  int64 ``n_lo + 2^32 n_hi`` (``red.global.add.u64`` of the pair's bits less ``MAGIC_BITS (2^32
+  + 1)``). A row that starts at zero ends with ``S_lo + 2^32 S_hi`` in each pair, exact while
+  each sum stays within int32, and the runtime splits it into ``S_lo`` and ``S_hi``. Integer
+  adds commute: the bits do not depend on the order of the adds;
 * word ``D + WORD_SCALE``: ``2^k_j`` as fp32 bits, written by the runtime before the launch;
 * word ``D + WORD_MAX``: the largest ``|v|`` added to the row, as fp32 bits (``red.max.u32``;
   non-finite values order above every finite one), which tells the runtime whether ``k_j``
@@ -32,6 +33,8 @@ CONTROL_SKIP = 1
 #: while ``|v s| < 2^22``.
 MAGIC = 12582912.0
 MAGIC_BITS = 0x4B400000
+#: Two words of ``MAGIC_BITS`` read as one int64 (low word first): what a pair's add subtracts.
+PAIR_MAGIC = MAGIC_BITS * (2 ** 32 + 1)
 #: Largest ``log2`` of one scaled value: ``|v 2^k| < 2^VALUE_BITS``.
 VALUE_BITS = 22
 
@@ -41,5 +44,5 @@ def row_words(d_qk: int) -> int:
     return d_qk + PAD_WORDS
 
 
-__all__ = ["CONTROL_SKIP", "MAGIC", "MAGIC_BITS", "PAD_WORDS", "VALUE_BITS", "WORD_MAX",
+__all__ = ["CONTROL_SKIP", "MAGIC", "MAGIC_BITS", "PAD_WORDS", "PAIR_MAGIC", "VALUE_BITS", "WORD_MAX",
            "WORD_SCALE", "row_words"]

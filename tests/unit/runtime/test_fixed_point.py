@@ -1,8 +1,8 @@
 """The deterministic backward's fixed-point protocol (dsa_aot.fixed_point) on the CPU.
 
 ``launch`` here models the main kernel's side of the contract exactly: per group of query rows,
-every valid slot adds its dKV row's values as the bits of ``fma(v, 2^k_j, 1.5 * 2^23)`` (uint32
-adds), ``red.max``-es the fp32 bits of the largest ``|v|`` into word ``D + WORD_MAX`` and does
+every valid slot adds its dKV row's values as the bits of ``fma(v, 2^k_j, 1.5 * 2^23)``, two
+neighbouring words at a time as one uint64 less ``PAIR_MAGIC`` (modulo 2^64), ``red.max``-es the fp32 bits of the largest ``|v|`` into word ``D + WORD_MAX`` and does
 nothing when the control row's skip word is set. Its dKV rows are random, with magnitudes that
 differ by row and by group (the cases that force a re-launch), so the test checks the scales
 the runtime picks, the re-launch, the fold and the bits, not a kernel.
@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsa_aot import fixed_point as fp
 from dsa_aot.kernels.dkv_interleave import dkv_acc_column
-from dsa_aot.kernels.fixed_point import CONTROL_SKIP, MAGIC, WORD_MAX, WORD_SCALE
+from dsa_aot.kernels.fixed_point import CONTROL_SKIP, MAGIC, MAGIC_BITS, PAIR_MAGIC, WORD_MAX, WORD_SCALE
 
 D = 64
 
@@ -50,8 +50,10 @@ class ModelKernel:
             v = self.rows[t, s, h].numpy().astype(np.float32)
             scale = words[j, D + WORD_SCALE:D + WORD_SCALE + 1].view(np.float32)[0]
             bits = (v * np.float32(scale) + np.float32(MAGIC)).astype(np.float32).view(np.uint32)
-            with np.errstate(over="ignore"):
-                words[j, self.interleaved] += bits
+            stored = np.zeros(D, dtype=np.uint32)
+            stored[self.interleaved] = bits
+            pairs = words[j, :D].view(np.uint64)
+            pairs += stored.view(np.uint64) - np.uint64(PAIR_MAGIC)  # numpy wraps uint64
             peak = np.abs(v).max().view(np.uint32) if not np.isnan(v).any() else np.uint32(0x7FFFFFFF)
             words[j, D + WORD_MAX] = max(words[j, D + WORD_MAX], peak)
 
@@ -161,13 +163,31 @@ def test_the_count_bound_keeps_every_int32_sum_in_range():
     assert all(a * 2 ** (b + 1) >= 2 ** 31 for a, b in zip(adds.tolist(), base.tolist()) if b < 22)
 
 
-def test_integer_sums_remove_the_magic_bits_every_add_carried():
-    adds = torch.tensor([0, 1, 7, 4096, 1 << 20], dtype=torch.int32)
-    sums = torch.tensor([[0, 0], [-5, 3], [2**22 - 1, -(2**22)], [-(2**30), 2**30 + 7], [-1, 1]])
-    magic = np.uint64(np.float32(MAGIC).view(np.uint32))
-    words = (sums.numpy().astype(np.int64) + adds.numpy().astype(np.int64)[:, None] * int(magic))
-    words = torch.from_numpy((words % (1 << 32)).astype(np.uint32).view(np.int32))
-    assert torch.equal(fp.integer_sums(words, adds), sums.to(torch.int32))
+@pytest.mark.parametrize("adds", [1, 3, 600, 4096])
+def test_integer_sums_split_each_pair_into_its_two_words_sums(adds):
+    """Pairs of sums up to the int32 edges, made as the kernel makes them (``adds`` values ``|n|
+    < 2^22`` a word; each add the uint64 of two words' ``MAGIC_BITS + n`` less ``PAIR_MAGIC``),
+    come back exactly."""
+    edge = min(2**31 - 1, adds * (2**22 - 1))
+    sums = [(0, 0), (-5, 3), (edge, -edge), (-edge, edge), (-1, -1), (edge, edge), (-edge, -edge),
+            (1, -1), (-(edge // 2), edge // 2 + 7)]
+    totals = []
+    for pair in sums:
+        n = []
+        for s_word in pair:  # `adds` values summing to s_word
+            parts = np.full(adds, s_word // adds, dtype=np.int64)
+            parts[: s_word - int(parts.sum())] += 1
+            n.append(parts)
+        total = 0
+        for lo, hi in zip(*n):
+            assert abs(lo) < 2**22 and abs(hi) < 2**22
+            total += ((int(lo) + MAGIC_BITS) | ((int(hi) + MAGIC_BITS) << 32)) - PAIR_MAGIC
+        totals.append(total % 2**64)
+    fixed = torch.zeros((len(sums), 8), dtype=torch.int32)  # padded rows, as in dkv_fixed
+    fixed[:, :2] = torch.from_numpy(np.array(totals, dtype=np.uint64).view(np.int32).reshape(-1, 2))
+    got = fp.integer_sums(fixed[:, :2])
+    assert got.data_ptr() == fixed.data_ptr()  # in place
+    assert got.tolist() == [list(t) for t in sums]
 
 
 def test_exponents_scales_and_the_median_guess():
