@@ -8,8 +8,8 @@ enough that no value (``|v 2^k| < 2^22``) and no sum (``< 2^31``) overflows. It 
 *group* of query rows:
 
 * ``adds_j``: the values each word of row ``j`` receives in the group (valid slots with index
-  ``j``, times the head blocks); ``base_j = min(22, 31 - bit_length(adds_j))`` bounds one value
-  so that ``adds_j`` of them cannot overflow;
+  ``j``, times the head blocks; the kernel counts them); ``base_j = min(22, 31 -
+  bit_length(adds_j))`` bounds one value so that ``adds_j`` of them cannot overflow;
 * with ``e_j`` the exponent of the row's largest ``|v|`` (``|v| < 2^e_j``), ``k_j = base_j - e_j``;
 * the first :data:`SAMPLE_ROWS` query rows are launched once only to measure ``e_j`` (the
   kernel ``red.max``-es every row's largest ``|v|``; their scale ``2^-126`` makes the adds
@@ -17,8 +17,8 @@ enough that no value (``|v 2^k| < 2^22``) and no sum (``< 2^31``) overflows. It 
 * every group is launched with a guess: ``e_j`` from the sample and the earlier groups (their
   median for a row not seen yet) plus :data:`MARGIN_BITS`, and ``base_j`` for at most one add
   per query row and head block (distinct indices), so that nothing but the guess has to be
-  ready before the launch; the exact counts are made while the GPU runs it. A second launch
-  redoes the group with the measured ``e_j`` and the exact counts when a row overflowed (its
+  ready before the launch. A second launch redoes the group with the measured ``e_j`` and the
+  counted adds when a row overflowed (its
   ``e_j`` above the guess, or more adds than the bound) or lost more than :data:`SLACK_BITS`
   bits to a guess too high. The kernel reads a skip flag from the control row, so the second
   launch is always queued and returns at once when not needed: no host sync anywhere, and the
@@ -37,7 +37,8 @@ from collections.abc import Callable
 import torch
 
 from dsa_aot.kernels.dkv_interleave import natural_order
-from dsa_aot.kernels.fixed_point import CONTROL_SKIP, VALUE_BITS, WORD_MAX, WORD_SCALE, row_words
+from dsa_aot.kernels.fixed_point import (CONTROL_SKIP, SINK_ROWS, VALUE_BITS, WORD_COUNT,
+                                         WORD_MAX, WORD_SCALE, row_words)
 
 #: Query rows launched once only to measure the rows' magnitudes (the first guesses), and the
 #: query rows of each group.
@@ -74,26 +75,6 @@ def _natural(d_qk: int, dev: torch.device) -> torch.Tensor:
 def group_bounds(s_q: int) -> list[tuple[int, int]]:
     """The query-row groups of a call: :data:`GROUP_ROWS` each."""
     return [(r0, min(s_q, r0 + GROUP_ROWS)) for r0 in range(0, s_q, GROUP_ROWS)]
-
-
-def group_adds(topk_idxs: torch.Tensor, topk_length: torch.Tensor | None, s_kv: int,
-               head_blocks: int, group_rows: int) -> torch.Tensor:
-    """``[groups, s_kv]`` int32: the values each word of a KV row receives per group of
-    ``group_rows`` query rows (valid slots, ``0 <= index < s_kv`` and below ``topk_length`` when
-    given, times ``head_blocks``). One integer ``index_add_`` (exact, so deterministic; no host
-    sync)."""
-    s_q, topk = topk_idxs.shape
-    dev = topk_idxs.device
-    groups = -(-s_q // group_rows)
-    valid = (topk_idxs >= 0) & (topk_idxs < s_kv)
-    if topk_length is not None:
-        valid &= torch.arange(topk, device=dev, dtype=torch.int32) < topk_length.clamp(0, topk)[:, None]
-    key = torch.where(valid, topk_idxs, s_kv)  # invalid slots count in the row past the end
-    if groups > 1:
-        key = key + (torch.arange(s_q, device=dev, dtype=torch.int32) // group_rows * (s_kv + 1))[:, None]
-    counts = torch.zeros(groups * (s_kv + 1), dtype=torch.int32, device=dev)
-    counts.index_add_(0, key.view(-1), torch.ones(1, dtype=torch.int32, device=dev).expand(key.numel()))
-    return counts.view(groups, s_kv + 1)[:, :s_kv] * head_blocks
 
 
 def value_bits_bound(adds: torch.Tensor) -> torch.Tensor:
@@ -146,46 +127,46 @@ def fixed_point_dkv(launch: MainLaunch, topk_idxs: torch.Tensor, topk_length: to
     non-finite value was added. Few torch ops: each costs host time between the launches."""
     dev = topk_idxs.device
     s_q = topk_idxs.shape[0]
-    fixed = torch.zeros((s_kv + 1, row_words(d_qk)), dtype=torch.int32, device=dev)
+    fixed = torch.zeros((s_kv + 1 + SINK_ROWS, row_words(d_qk)), dtype=torch.int32, device=dev)
     words = fixed[:s_kv, :d_qk]
     scale_word = fixed[:s_kv, d_qk + WORD_SCALE]
     max_word = fixed[:s_kv, d_qk + WORD_MAX]
-    skip = fixed[s_kv, CONTROL_SKIP]
     # the sample (scale 2^-126: the adds carry nothing, only the maxima count)
     scale_word.fill_((K_MIN + 127) << 23)
     if s_q:
         launch(0, min(s_q, SAMPLE_ROWS), fixed)
+    adds = fixed[:s_kv, d_qk + WORD_COUNT]
+    launched = fixed[:s_kv, :d_qk + WORD_COUNT + 1]  # what a launch adds to: a redo starts afresh
+    skip = fixed[s_kv, CONTROL_SKIP]
     seen_e = magnitude_exponent(max_word)  # UNSEEN_EXPONENT: no value (or only zeros) yet
-    total = torch.zeros((s_kv, d_qk), dtype=torch.float32, device=dev)
-    adds = base = None
-    for g, (r0, r1) in enumerate(group_bounds(s_q)):
+    total = None
+    for r0, r1 in group_bounds(s_q):
         # the guess needs no count: a group adds at most once a query row and head block to a
-        # row (distinct indices); the exact counts are made while the GPU runs the group
+        # row (distinct indices); the kernel counts the adds, and a group with more is redone
         bound = min(VALUE_BITS, 31 - ((r1 - r0) * head_blocks).bit_length())
         k = torch.clamp(bound - exponent_guess(seen_e), K_MIN, K_MAX)
         fixed.zero_()
         scale_word.copy_(scale_bits(k))
         launch(r0, r1, fixed)
-        if adds is None:
-            adds = group_adds(topk_idxs, topk_length, s_kv, head_blocks, GROUP_ROWS)
-            base = value_bits_bound(adds)
         measured = magnitude_exponent(max_word)
-        exact = torch.clamp(base[g] - measured, K_MIN, K_MAX)
+        exact = torch.clamp(value_bits_bound(adds) - measured, K_MIN, K_MAX)
         off = exact - k  # < 0: the guess overflowed; > SLACK_BITS: it wasted precision
-        redo = ((adds[g] > 0) & ((off < 0) | (off > SLACK_BITS))).any()
+        redo = ((adds > 0) & ((off < 0) | (off > SLACK_BITS))).any()
         k = torch.where(redo, exact, k)
-        words.masked_fill_(redo, 0)
+        launched.masked_fill_(redo, 0)
         scale_word.copy_(scale_bits(k))
         skip.copy_(~redo)
         launch(r0, r1, fixed)  # returns at once unless redo
         inverse = scale_bits(-k).view(torch.float32)[:, None]  # 2^-k
-        total.addcmul_(integer_sums(words).float(), inverse)
+        part = integer_sums(words).float().mul_(inverse)  # exact: a power of 2
+        total = part if total is None else total.add_(part)
         seen_e = torch.maximum(seen_e, measured)
+    if total is None:  # no query row
+        total = torch.zeros((s_kv, d_qk), dtype=torch.float32, device=dev)
     result = torch.index_select(total, 1, _natural(d_qk, dev), out=out)
     return result.masked_fill_((seen_e >= NONFINITE_EXPONENT)[:, None], float("nan"))
 
-
 __all__ = ["DEFAULT_EXPONENT", "GROUP_ROWS", "K_MAX", "K_MIN", "MARGIN_BITS", "NONFINITE_EXPONENT",
            "SAMPLE_ROWS", "SLACK_BITS", "UNSEEN_EXPONENT", "exponent_guess", "fixed_point_dkv",
-           "group_adds", "group_bounds", "integer_sums", "magnitude_exponent", "scale_bits",
+           "group_bounds", "integer_sums", "magnitude_exponent", "scale_bits",
            "value_bits_bound"]

@@ -29,7 +29,7 @@ import dsa_aot  # noqa: E402
 from dsa_aot import settings  # noqa: E402
 from dsa_aot.kernels.reference import sparse_mla_bwd_ref  # noqa: E402
 from dsa_aot.fixed_point import group_bounds  # noqa: E402
-from dsa_aot.kernels.fixed_point import row_words  # noqa: E402
+from dsa_aot.kernels.fixed_point import SINK_ROWS, row_words  # noqa: E402
 from dsa_aot.runners import deterministic_chunk_rows, head_blocks  # noqa: E402
 
 #: (S_q, S_kv, H, D_qk, K): the backward benchmark's rows.
@@ -68,12 +68,12 @@ def measure(x: dict, out: torch.Tensor, lse: torch.Tensor, reps: int, rounds: in
 def workspace_bytes(s_q: int, s_kv: int, heads: int, d_qk: int, topk: int, mode: str) -> int:
     """The deterministic call's dkv workspace. Stored rows: one chunk's bf16 dkv rows, the fp32
     running sum and the row order (int32, at least one entry per stored row). Fixed point: the
-    int32 rows with their scale, max and control words, the fp32 total and accumulator, the
-    per-group add counts and a group fold's int64 and fp32 temporaries."""
+    int32 rows with their scale, max and count words, the control and sink rows, the fp32
+    accumulator, the first group's fp32 sums (the total) and a later group's."""
     if mode == "fixed_point":
-        groups = len(group_bounds(s_q))
-        return ((s_kv + 1) * row_words(d_qk) * 4 + s_kv * d_qk * (4 + 4 + 8 + 4)
-                + groups * (s_kv + 1) * 4)
+        later = len(group_bounds(s_q)) > 1
+        return ((s_kv + 1 + SINK_ROWS) * row_words(d_qk) * 4
+                + s_kv * d_qk * 4 * (2 + later))
     hb = head_blocks(heads)
     rows = min(s_q, deterministic_chunk_rows(s_q, topk, hb, d_qk, settings.get().deterministic_workspace))
     return rows * topk * hb * (d_qk * 2 + 4) + s_kv * d_qk * 4

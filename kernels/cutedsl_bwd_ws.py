@@ -501,7 +501,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                 rows, first = sm["rows"], warp_rows
             if cutlass.const_expr(self.fixed_point):
                 fixed = [rows, first, fixed_stride, fixed_scales(m_dkv, rows, first, lane, d),
-                         fixed_base, sm["max"], warp_rows]
+                         fixed_base, Int32(cute.size(m_dkv, mode=[0])), sm["max"], warp_rows]
             else:
                 slots = self.dkv_slots(buf, kv_coords, lane)
                 row_ok = [sm["valid"][s] for s in slots]
@@ -542,11 +542,11 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
     def add_chunk(self, acc: cute.Tensor, coords: cute.Tensor, row_ok: list, row_ptr: list,
                   fixed: list, col0: cutlass.Constexpr, lane: Int32) -> None:
         """One dKV chunk into ``dkv_fixed`` (the fixed-point mode, :func:`add_fixed` with
-        ``fixed`` = its ``[s_idx, first, stride, scales, base]``, then :func:`fold_max` with
-        ``[s_max, warp_rows]``) or by
+        ``fixed`` = its ``[s_idx, first, stride, scales, base, rows]``, then :func:`fold_max`
+        with ``[s_max, warp_rows]``) or by
         :meth:`scatter_chunk` (the fp32 atomics, or the stored rows)."""
         if cutlass.const_expr(self.fixed_point):
-            fold_max(add_fixed(acc, *fixed[:5], col0, lane), fixed[5], fixed[6], lane)
+            fold_max(add_fixed(acc, *fixed[:6], col0, lane), fixed[6], fixed[7], lane)
         else:
             self.scatter_chunk(acc, coords, row_ok, row_ptr, col0, lane)
 

@@ -22,7 +22,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 
-from dsa_aot.kernels.fixed_point import CONTROL_SKIP, PAIR_MAGIC, WORD_MAX, WORD_SCALE
+from dsa_aot.kernels.fixed_point import (CONTROL_SKIP, PAIR_MAGIC, SINK_ROWS, WORD_COUNT, WORD_MAX,
+                                         WORD_SCALE)
 
 
 def _select(cond, if_value, else_value):
@@ -87,21 +88,20 @@ def red_fixed(base: Int64, row: Int32, stride: Int32, lane_word: Int32, word: cu
 def red_add_word_pairs(base: Int64, row: Int32, stride: Int32, lane_word: Int32,
                        first_byte: cutlass.Constexpr, second_byte: cutlass.Constexpr, lo0: Int32,
                        hi0: Int32, lo1: Int32, hi1: Int32, *, loc=None, ip=None) -> None:
-    """Two ``red.relaxed.gpu.global.add.u64`` into one ``dkv_fixed`` row (``row >= 0``), of
-    two words' :func:`fixed_bits` each: ``(lo0, hi0)`` at byte offset ``first_byte`` and
-    ``(lo1, hi1)`` at ``second_byte`` (immediates) from word ``row * stride + lane_word``
-    (even). Each pair is added as the int64 ``n_lo + 2^32 n_hi`` (its bits less
-    :data:`PAIR_MAGIC`), so the pair's sum is exact modulo 2^64. One address for both, made
-    inside the block so that the compiler cannot keep one pointer per row, group and chunk
-    alive across the block loop."""
+    """Two ``red.relaxed.gpu.global.add.u64`` into one ``dkv_fixed`` row, of two words'
+    :func:`fixed_bits` each: ``(lo0, hi0)`` at byte offset ``first_byte`` and ``(lo1, hi1)`` at
+    ``second_byte`` (immediates) from word ``row * stride + lane_word`` (even), each pair as the
+    int64 ``n_lo + 2^32 n_hi`` (its bits, low word first, less :data:`PAIR_MAGIC`; adding the
+    bits as they are and leaving the subtraction to the runtime makes ptxas spill at H32). Not
+    predicated (ptxas makes a predicated ``red`` a branch): an invalid slot's
+    ``row`` is a sink row. One address for both, made inside the block so that the compiler
+    cannot keep one pointer per row, group and chunk alive across the block loop."""
     _asm(None, [Int64(base), Int32(row), Int32(stride), Int32(lane_word), Int32(lo0), Int32(hi0),
                 Int32(lo1), Int32(hi1)],
-         "{ .reg .pred p; .reg .s32 w; .reg .b64 a, x, y; setp.ge.s32 p, $1, 0; "
-         "mad.lo.s32 w, $1, $2, $3; mad.wide.s32 a, w, 4, $0; "
+         "{ .reg .s32 w; .reg .b64 a, x, y; mad.lo.s32 w, $1, $2, $3; mad.wide.s32 a, w, 4, $0; "
          f"mov.b64 x, {{$4, $5}}; mov.b64 y, {{$6, $7}}; sub.s64 x, x, {PAIR_MAGIC}; "
-         f"sub.s64 y, y, {PAIR_MAGIC}; "
-         f"@p red.relaxed.gpu.global.add.u64 [a+{int(first_byte)}], x; "
-         f"@p red.relaxed.gpu.global.add.u64 [a+{int(second_byte)}], y; }}",
+         f"sub.s64 y, y, {PAIR_MAGIC}; red.relaxed.gpu.global.add.u64 [a+{int(first_byte)}], x; "
+         f"red.relaxed.gpu.global.add.u64 [a+{int(second_byte)}], y; }}",
          "l,r,r,r,r,r,r,r", True, loc, ip)
 
 
@@ -119,6 +119,16 @@ def launch_skipped(m_dkv: cute.Tensor, s_kv: Int32) -> Int32:
     runtime decided this launch has nothing to do."""
     row = m_dkv.iterator.toint() + Int64(s_kv) * Int64(m_dkv.stride[0]) * 4
     return ld_global_s32(row + CONTROL_SKIP * 4)
+
+
+@cute.jit
+def sink_rows(rows: Int32) -> Int32:
+    """The first of this CTA's 64 sink rows (:data:`SINK_ROWS` after the control row of
+    ``dkv_fixed``'s ``rows``, 64 a CTA in turn), where the adds of its invalid slots go. Made
+    where it is used from the launch's parameters: kept in a register across the block loop,
+    it makes ptxas spill."""
+    cta, _, _ = cute.arch.block_idx()
+    return rows - SINK_ROWS + (cta % (SINK_ROWS // 64)) * 64
 
 
 @cute.jit
@@ -140,9 +150,11 @@ def fixed_scales(m_dkv: cute.Tensor, s_idx: cute.Tensor, first: Int32, lane: Int
 
 
 def add_fixed(acc: cute.Tensor, s_idx: cute.Tensor, first: Int32, stride: Int32, scales: list,
-              base: Int64, col0: cutlass.Constexpr, lane: Int32) -> list:
+              base: Int64, rows_total: Int32, col0: cutlass.Constexpr, lane: Int32) -> list:
     """Add one ``(64 slots, 64 columns)`` dKV chunk of a warpgroup accumulator (``acc`` as a
-    ``(rows, cols)`` view) to ``dkv_fixed`` at ``base``; ``col0``: the chunk's first column.
+    ``(rows, cols)`` view) to ``dkv_fixed`` at ``base``; ``col0``: the chunk's first column;
+    the adds of an invalid slot (``s_idx`` -1) at block row ``i`` go to sink row ``i`` of
+    :func:`sink_rows` (``rows_total``: ``dkv_fixed``'s rows).
     Returns the largest ``|v|`` of this lane's values per fragment row (NaN if any was).
 
     A lane holds, per fragment row ``r`` and 32-column group, 8 values of its row ``8 r + lane /
@@ -182,7 +194,9 @@ def add_fixed(acc: cute.Tensor, s_idx: cute.Tensor, first: Int32, stride: Int32,
         lane_word = 4 * quad + 2 * (pair % 2)
         for side in range(2):
             for half in range(2):  # the even pair's row, then the odd pair's
-                row = s_idx[first + 8 * r + 4 * (pair // 2) + 2 * half + side]
+                i = 8 * r + 4 * (pair // 2) + 2 * half + side
+                row = s_idx[first + i]
+                row = _select(row >= 0, row, sink_rows(rows_total) + i)
                 red_add_word_pairs(base, row, stride, lane_word + 16 * (upper ^ side), 4 * col0,
                               4 * (col0 + 32), *kept[0, side, half], *kept[1, side, half])
     return row_max
@@ -209,14 +223,17 @@ def flush_max(s_max: cute.Tensor, warp_rows: Int32, s_idx: cute.Tensor, first: I
               stride: Int32, base: Int64, lane: Int32, d: cutlass.Constexpr) -> None:
     """Per block, after the last :func:`fold_max`: lane ``i < 16`` adds block row ``warp_rows +
     i``'s largest magnitude to word ``D + WORD_MAX`` of its KV row (``s_idx[first + i]``;
-    ``red.max`` of the fp32 bits) and resets its slot to 0."""
+    ``red.max`` of the fp32 bits), counts the row's add in word ``D + WORD_COUNT`` and resets
+    its slot to 0."""
     cute.arch.sync_warp()
     if lane < 16:
-        red_fixed(base, s_idx[first + lane], stride, Int32(0), d + WORD_MAX,
-                  f32_bits(s_max[warp_rows + lane]), Int32(1), "max")
+        row = s_idx[first + lane]
+        red_fixed(base, row, stride, Int32(0), d + WORD_MAX, f32_bits(s_max[warp_rows + lane]),
+                  Int32(1), "max")
+        red_fixed(base, row, stride, Int32(0), d + WORD_COUNT, Int32(1), Int32(1), "add")
         s_max[warp_rows + lane] = Float32(0.0)
     cute.arch.sync_warp()
 
 
 __all__ = ["add_fixed", "f32_bits", "fixed_scales", "fold_max", "max_abs", "as_f32", "fixed_bits", "flush_max",
-           "launch_skipped", "ld_global_s32", "red_add_word_pairs", "red_fixed"]
+           "launch_skipped", "ld_global_s32", "red_add_word_pairs", "red_fixed", "sink_rows"]

@@ -1,23 +1,28 @@
 """Layout of the deterministic backward's int32 fixed-point dKV accumulator (no ``cutlass``
 import: the runtime and the kernels share it).
 
-``dkv_fixed`` is int32 ``[s_kv + 1, D + PAD_WORDS]``. Row ``j < s_kv`` holds KV row ``j``:
+``dkv_fixed`` is int32 ``[s_kv + 1 + SINK_ROWS, D + PAD_WORDS]``. Row ``j < s_kv`` holds KV row ``j``:
 
 * words ``[0, D)``: the sums of ``rni(v * 2^k_j)`` over every dKV value ``v`` added to the row,
   in the interleaved column order of :mod:`dsa_aot.kernels.dkv_interleave`, two words at a
   time: the kernel makes each value's ``n = rni(v 2^k_j)`` as the bits of ``fma(v, 2^k_j, 1.5 *
   2^23)`` (``MAGIC_BITS + n`` for ``|v 2^k_j| < 2^22``) and adds the words ``2m, 2m + 1`` as the
-  int64 ``n_lo + 2^32 n_hi`` (``red.global.add.u64`` of the pair's bits less ``MAGIC_BITS (2^32
-  + 1)``). A row that starts at zero ends with ``S_lo + 2^32 S_hi`` in each pair, exact while
-  each sum stays within int32, and the runtime splits it into ``S_lo`` and ``S_hi``. Integer
-  adds commute: the bits do not depend on the order of the adds;
+  int64 ``n_lo + 2^32 n_hi`` (``red.global.add.u64`` of the pair's bits less ``PAIR_MAGIC``).
+  A pair that starts at zero ends at ``S_lo + 2^32 S_hi``, exact while each sum stays within
+  int32, which the runtime splits into ``S_lo`` and ``S_hi``. Integer adds commute: the bits
+  do not depend on the order of the adds;
 * word ``D + WORD_SCALE``: ``2^k_j`` as fp32 bits, written by the runtime before the launch;
 * word ``D + WORD_MAX``: the largest ``|v|`` added to the row, as fp32 bits (``red.max.u32``;
   non-finite values order above every finite one), which tells the runtime whether ``k_j``
-  was safe and a non-finite value reached the row.
+  was safe and a non-finite value reached the row;
+* word ``D + WORD_COUNT``: ``c``, the values each word of the row received (one per valid
+  slot and head block).
 
 Row ``s_kv`` is the control row: word ``CONTROL_SKIP`` nonzero makes every CTA of the launch
-return at once (a conditional re-launch decided on the device, with no host sync).
+return at once (a conditional re-launch decided on the device, with no host sync). The
+:data:`SINK_ROWS` rows after it take the adds of invalid slots, which nothing reads: an add
+that needs no predicate costs the kernel no branch, and spread over many rows the sink does not
+become one hot line.
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ PAD_WORDS = 8
 #: Offsets from ``D`` of the scale and the largest-magnitude words.
 WORD_SCALE = 1
 WORD_MAX = 2
+#: Rows after the control row that invalid slots add to (64 a CTA, CTAs in turn).
+SINK_ROWS = 1024
+#: Offset from ``D`` of the add count.
+WORD_COUNT = 3
 #: Word of the control row (row ``s_kv``) whose nonzero value skips the launch.
 CONTROL_SKIP = 1
 #: fp32 bits of ``1.5 * 2^23``: ``fma(v, s, 1.5 * 2^23)`` has ``MAGIC_BITS + rni(v s)`` as bits
@@ -44,5 +53,5 @@ def row_words(d_qk: int) -> int:
     return d_qk + PAD_WORDS
 
 
-__all__ = ["CONTROL_SKIP", "MAGIC", "MAGIC_BITS", "PAD_WORDS", "PAIR_MAGIC", "VALUE_BITS", "WORD_MAX",
+__all__ = ["CONTROL_SKIP", "MAGIC", "MAGIC_BITS", "PAD_WORDS", "PAIR_MAGIC", "SINK_ROWS", "VALUE_BITS", "WORD_COUNT", "WORD_MAX",
            "WORD_SCALE", "row_words"]
