@@ -441,7 +441,7 @@ class Loader:
                 + ("; ".join(f"{s.id}: {r}" for s, r in zip(specs, reasons)) or f"no backend builds one for {arch}")
                 + "); backends with one "
                 f"for {arch}: {', '.join(having) or 'none'}. Fix: prebuild its -det specs (`dsa-aot "
-                f"prebuild --arch {arch} --only '*-det'`), or call with deterministic=False.")
+                f"prebuild --arch {arch} --only '*-det*'`), or call with deterministic=False.")
         spec = specs[0] if specs else KernelSpec(op=op, arch=arch, d_qk=d_qk, heads=heads, layout=layout)
         message = (f"no compiled kernel for {spec.id} ({'; '.join(reasons) or 'no backend'}); "
                    "falling back to the slow torch reference. "

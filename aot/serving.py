@@ -115,8 +115,8 @@ def _pick(op: str, arch: str, d_qk: int, heads: int, layout: str, deterministic:
     cfg = _settings.get()
     if cfg.remote_url is not None:
         raise _Defer("a remote tier is configured")
-    if deterministic and cfg.deterministic_mode != "stored_rows":
-        raise _Defer(f"deterministic_mode={cfg.deterministic_mode} (a spec with a flavour)")
+    if deterministic and _settings.deterministic_mode_for(cfg.deterministic_mode, heads) != "stored_rows":
+        raise _Defer(f"deterministic_mode={cfg.deterministic_mode} at {heads} heads (a spec with a flavour)")
     if cfg.trusted_keys:
         raise _Defer("trusted keys are configured (signatures are checked by the loader)")
     roots = [*cfg.prebuilt_dirs, cfg.cache_dir]

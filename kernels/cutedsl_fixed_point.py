@@ -235,5 +235,5 @@ def flush_max(s_max: cute.Tensor, warp_rows: Int32, s_idx: cute.Tensor, first: I
     cute.arch.sync_warp()
 
 
-__all__ = ["add_fixed", "f32_bits", "fixed_scales", "fold_max", "max_abs", "as_f32", "fixed_bits", "flush_max",
-           "launch_skipped", "ld_global_s32", "red_add_word_pairs", "red_fixed", "sink_rows"]
+__all__ = ["add_fixed", "as_f32", "f32_bits", "fixed_bits", "fixed_scales", "flush_max", "fold_max",
+           "launch_skipped", "ld_global_s32", "max_abs", "red_add_word_pairs", "red_fixed", "sink_rows"]

@@ -53,5 +53,5 @@ def row_words(d_qk: int) -> int:
     return d_qk + PAD_WORDS
 
 
-__all__ = ["CONTROL_SKIP", "MAGIC", "MAGIC_BITS", "PAD_WORDS", "PAIR_MAGIC", "SINK_ROWS", "VALUE_BITS", "WORD_COUNT", "WORD_MAX",
-           "WORD_SCALE", "row_words"]
+__all__ = ["CONTROL_SKIP", "MAGIC", "MAGIC_BITS", "PAD_WORDS", "PAIR_MAGIC", "SINK_ROWS", "VALUE_BITS",
+           "WORD_COUNT", "WORD_MAX", "WORD_SCALE", "row_words"]

@@ -28,6 +28,15 @@ pytestmark = pytest.mark.gpu
 VARIANTS = list(itertools.product((512, 576), (16, 32, 64, 128), ("compact", "noncompact")))
 
 
+@pytest.fixture(autouse=True)
+def stored_rows_unless_asked():
+    """Deterministic calls run in the stored-rows mode unless a test says otherwise (the
+    default, ``auto``, would serve H64/H128 in fixed point): the tests before the fixed-point
+    section are the stored-rows mode's."""
+    with settings.scope(deterministic_mode="stored_rows"):
+        yield
+
+
 def det_bwd(q, kv, out, dout, lse, idx, length, sink):
     poison((tuple(q.shape), torch.bfloat16), (tuple(kv.shape), torch.bfloat16))
     return dsa_aot.sparse_mla_bwd(q, kv, out, dout, lse, idx, topk_length=length, attn_sink=sink,
@@ -118,10 +127,12 @@ print(json.dumps({{"grads": digest(dq, dkv, ds), "fwd": digest(out, lse)}}))
 """
 
 
-def test_same_bits_in_other_processes():
-    """Two fresh processes (deterministic through DSA_AOT_DETERMINISTIC=1) and this one agree."""
+@pytest.mark.parametrize("mode", ["stored_rows", "fixed_point"])
+def test_same_bits_in_other_processes(mode):
+    """Two fresh processes (deterministic through DSA_AOT_DETERMINISTIC=1, the mode through
+    DSA_AOT_DETERMINISTIC_MODE) and this one agree."""
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, DSA_AOT_DETERMINISTIC="1")
+    env = dict(os.environ, DSA_AOT_DETERMINISTIC="1", DSA_AOT_DETERMINISTIC_MODE=mode)
     digests = []
     for _ in range(2):
         proc = subprocess.run([sys.executable, "-c", CHILD.format(here=here)], env=env, capture_output=True,
@@ -130,7 +141,8 @@ def test_same_bits_in_other_processes():
         digests.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     q, kv, idx, length, sink, dout = inputs(777, 3000, 64, 576, 1000, layout="compact", seed=5)
     out, lse = forward(q, kv, idx, length, sink)
-    mine = digest(*det_bwd(q, kv, out, dout, lse, idx, length, sink))
+    with settings.scope(deterministic_mode=mode):
+        mine = digest(*det_bwd(q, kv, out, dout, lse, idx, length, sink))
     assert digests[0] == digests[1]
     assert digests[0]["fwd"] == digest(out, lse)  # the same inputs reached the backward
     assert digests[0]["grads"] == mine
@@ -221,6 +233,22 @@ def test_a_nan_input_gives_a_nan_dkv_as_the_fast_mode_does():
     _, fast, _ = fast_bwd(q, kv, out, dout, lse, idx, length, sink)
     assert torch.isnan(dkv).any()
     assert torch.equal(torch.isnan(dkv), torch.isnan(fast))
+
+
+@pytest.mark.parametrize("h,served", [(16, "stored_rows"), (32, "stored_rows"), (64, "fixed_point"),
+                                      (128, "fixed_point")])
+def test_auto_is_the_default_and_serves_each_head_count_in_its_mode(h, served):
+    """``auto`` (the default) gives the bits of the mode it picks for the head count, and not
+    those of the other mode."""
+    assert settings.Settings().deterministic_mode == "auto"
+    q, kv, idx, length, sink, dout = inputs(200, 2048, h, 576, 512, seed=h)
+    out, lse = forward(q, kv, idx, length, sink)
+    got = {}
+    for mode in ("auto", "stored_rows", "fixed_point"):
+        with settings.scope(deterministic_mode=mode):
+            got[mode] = digest(*det_bwd(q, kv, out, dout, lse, idx, length, sink))
+    other = "fixed_point" if served == "stored_rows" else "stored_rows"
+    assert got["auto"] == got[served] != got[other]
 
 
 # ---- the fixed-point mode (DSA_AOT_DETERMINISTIC_MODE=fixed_point, dsa_aot.fixed_point) ----

@@ -45,11 +45,13 @@ class CuteDslBackend(KernelBackend):
         return kernel_entry(stage, impl)[0]
 
     def call_flavour(self, heads: int, deterministic: bool) -> str | None:
-        """``DSA_AOT_DETERMINISTIC_MODE=fixed_point``: deterministic calls use the fixed-point
-        flavours (their own ``-det`` specs)."""
+        """A deterministic call the setting serves in the fixed-point mode
+        (:func:`~dsa_aot.settings.deterministic_mode_for`) uses the fixed-point flavours (their
+        own ``-det`` specs)."""
         from dsa_aot import settings
 
-        if not deterministic or settings.get().deterministic_mode != "fixed_point":
+        mode = settings.deterministic_mode_for(settings.get().deterministic_mode, heads)
+        if not deterministic or mode != "fixed_point":
             return None
         from dsa_aot.backends.cutedsl.flavours import FIXED_POINT_IMPL_BY_HEADS
 

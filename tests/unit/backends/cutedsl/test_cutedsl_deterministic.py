@@ -168,8 +168,10 @@ def empty_loader(tmp_path):
 
 
 def test_loader_never_serves_the_reference_for_a_deterministic_call(empty_loader):
-    with pytest.raises(DeterminismUnavailableError, match=r"no deterministic bwd kernel for sm_90a .*"
-                       r"bwd-sm_90a-d576-h64-noncompact-cutedsl-det: not prebuilt and DSA_AOT_JIT=0.*cutedsl"):
+    with settings.scope(deterministic_mode="stored_rows"), pytest.raises(
+            DeterminismUnavailableError, match=r"no deterministic bwd kernel for sm_90a .*"
+            r"bwd-sm_90a-d576-h64-noncompact-cutedsl-det: not prebuilt and DSA_AOT_JIT=0.*cutedsl"
+            r".*--only '\*-det\*'"):
         empty_loader.resolve("bwd", "sm_90a", 576, 64, "noncompact", 0, deterministic=True)
     with pytest.raises(DeterminismUnavailableError, match="no backend builds one for sm_100a"):
         empty_loader.resolve("bwd", "sm_100a", 576, 64, "noncompact", 0, deterministic=True)
@@ -220,7 +222,7 @@ def test_settings_parse(monkeypatch):
 
 
 def test_fixed_point_mode_setting_parses(monkeypatch):
-    assert settings.Settings.from_env().deterministic_mode == "stored_rows"
+    assert settings.Settings.from_env().deterministic_mode == "auto"
     monkeypatch.setenv("DSA_AOT_DETERMINISTIC_MODE", "Fixed_Point")
     assert settings.Settings.from_env().deterministic_mode == "fixed_point"
     monkeypatch.setenv("DSA_AOT_DETERMINISTIC_MODE", "atomic")
@@ -230,7 +232,8 @@ def test_fixed_point_mode_setting_parses(monkeypatch):
 
 def test_fixed_point_mode_asks_for_the_fixed_flavours(empty_loader):
     """The loader's deterministic cutedsl spec carries the fixed-point flavour of the head count
-    (a spec of its own, in the catalog); the stored-rows default carries none."""
+    (a spec of its own, in the catalog); stored rows carry none; ``auto`` (the default) takes
+    the fixed-point flavour from 64 heads on."""
     with settings.scope(deterministic_mode="fixed_point"):
         with pytest.raises(DeterminismUnavailableError, match=r"-det-t[0-9a-f]{8}: not prebuilt"):
             empty_loader.resolve("bwd", "sm_90a", 576, 64, "noncompact", 0, deterministic=True)
@@ -239,7 +242,17 @@ def test_fixed_point_mode_asks_for_the_fixed_flavours(empty_loader):
     assert {h: s.tile.flavour for h, s in specs.items()} == {
         16: "wgmma_ws_slot_major_fixed", 32: "wgmma_ws_slot_major_fixed", 64: "wgmma_ws_fixed",
         128: "wgmma_ws_fixed"}
-    assert empty_loader._spec("bwd", "sm_90a", 512, 64, "compact", "cutedsl", True).tile.flavour is None
+    with settings.scope(deterministic_mode="stored_rows"):
+        assert empty_loader._spec("bwd", "sm_90a", 512, 64, "compact", "cutedsl", True).tile.flavour is None
+    with settings.scope(deterministic_mode="auto"):  # the default: fixed point from 64 heads on
+        auto = {h: empty_loader._spec("bwd", "sm_90a", 512, h, "compact", "cutedsl", True).tile.flavour
+                for h in (16, 32, 64, 128)}
+        assert auto == {16: None, 32: None, 64: "wgmma_ws_fixed", 128: "wgmma_ws_fixed"}
+        assert empty_loader._spec("bwd", "sm_90a", 512, 64, "compact", "cutedsl", False).tile.flavour is None
+        with pytest.raises(DeterminismUnavailableError, match=r"-h128-noncompact-cutedsl-det-t[0-9a-f]{8}: "):
+            empty_loader.resolve("bwd", "sm_90a", 576, 128, "noncompact", 0, deterministic=True)
+        with pytest.raises(DeterminismUnavailableError, match=r"-h32-noncompact-cutedsl-det: "):
+            empty_loader.resolve("bwd", "sm_90a", 576, 32, "noncompact", 0, deterministic=True)
     from dsa_aot.specs.catalog import load_catalog
 
     catalog = {s.id for s in load_catalog().specs()}
