@@ -11,13 +11,21 @@ import torch
 
 
 def make_inputs(s_q: int, s_kv: int, heads: int, d_qk: int, topk: int, *, seed: int = 0,
-                device: str = "cuda", sink: bool = True) -> dict[str, torch.Tensor]:
-    """Random bf16 inputs with distinct in-range indices per row (never zeros)."""
+                device: str = "cuda", sink: bool = True, causal: bool = False) -> dict[str, torch.Tensor]:
+    """Random bf16 inputs with distinct in-range indices per row (never zeros). ``causal``: query
+    row ``t`` sits at position ``s_kv - s_q + t`` and picks among the positions up to it, -1 in
+    the slots it cannot fill (the early rows of a prefill are mostly padding)."""
     g = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn((s_q, heads, d_qk), generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
     kv = torch.randn((s_kv, d_qk), generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
     k = min(topk, s_kv)
-    idx = torch.rand((s_q, s_kv), generator=g, device=device).argsort(dim=1)[:, :k].to(torch.int32)
+    keys = torch.rand((s_q, s_kv), generator=g, device=device)
+    if causal:
+        pos = torch.arange(s_kv - s_q, s_kv, device=device)[:, None]
+        keys = keys.masked_fill(torch.arange(s_kv, device=device)[None, :] > pos, 2.0)  # last
+    idx = keys.argsort(dim=1)[:, :k].to(torch.int32)
+    if causal:
+        idx = idx.masked_fill(torch.arange(k, device=device)[None, :] > pos, -1)
     if k < topk:
         idx = torch.cat([idx, torch.full((s_q, topk - k), -1, dtype=torch.int32, device=device)], dim=1)
     dout = torch.randn((s_q, heads, 512), generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)

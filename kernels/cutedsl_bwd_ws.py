@@ -500,8 +500,10 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                 cute.arch.sync_warp()
                 rows, first = sm["rows"], warp_rows
             if cutlass.const_expr(self.fixed_point):
+                # a warp whose 16 block rows are all invalid slots (padding) adds nothing
+                live = cute.arch.vote_any_sync(rows[first + lane % 16] >= 0)
                 fixed = [rows, first, fixed_stride, fixed_scales(m_dkv, rows, first, lane, d),
-                         fixed_base, Int32(cute.size(m_dkv, mode=[0])), sm["max"], warp_rows]
+                         fixed_base, Int32(cute.size(m_dkv, mode=[0])), sm["max"], warp_rows, live]
             else:
                 slots = self.dkv_slots(buf, kv_coords, lane)
                 row_ok = [sm["valid"][s] for s in slots]
@@ -543,10 +545,12 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                   fixed: list, col0: cutlass.Constexpr, lane: Int32) -> None:
         """One dKV chunk into ``dkv_fixed`` (the fixed-point mode, :func:`add_fixed` with
         ``fixed`` = its ``[s_idx, first, stride, scales, base, rows]``, then :func:`fold_max`
-        with ``[s_max, warp_rows]``) or by
+        with ``[s_max, warp_rows]``; nothing when ``fixed[8]`` is false: the warp's rows hold no
+        valid slot) or by
         :meth:`scatter_chunk` (the fp32 atomics, or the stored rows)."""
         if cutlass.const_expr(self.fixed_point):
-            fold_max(add_fixed(acc, *fixed[:6], col0, lane), fixed[6], fixed[7], lane)
+            if fixed[8]:
+                fold_max(add_fixed(acc, *fixed[:6], col0, lane), fixed[6], fixed[7], lane)
         else:
             self.scatter_chunk(acc, coords, row_ok, row_ptr, col0, lane)
 

@@ -108,3 +108,18 @@ def test_forward_rows_from_the_table_or_the_command_line(bench):
     assert bench.fwd_rows(args) == [(4224, 8192, 64, 576, 2048), (4158, 8192, 128, 512, 1024)]
     with pytest.raises(SystemExit):
         bench.parser().parse_args(["--fwd-shape", "4224", "8192"])
+
+
+@pytest.mark.parametrize("s_q,s_kv,topk", [(64, 64, 16), (32, 96, 48), (8, 8, 32)])
+def test_causal_inputs_pick_only_earlier_positions_and_pad_the_rest(s_q, s_kv, topk):
+    make_inputs = _module("common").make_inputs
+    idx = make_inputs(s_q, s_kv, 2, 64, topk, device="cpu", causal=True)["topk_idxs"]
+    assert idx.shape == (s_q, topk)
+    for t in range(s_q):
+        pos = s_kv - s_q + t
+        row = idx[t].tolist()
+        n = min(topk, pos + 1, s_kv)
+        assert row[n:] == [-1] * (topk - n)  # padding after the valid slots
+        assert len(set(row[:n])) == n and all(0 <= j <= pos for j in row[:n])
+    plain = make_inputs(s_q, s_kv, 2, 64, topk, device="cpu")["topk_idxs"]
+    assert (plain[:, :min(topk, s_kv)] >= 0).all()
