@@ -11,8 +11,8 @@ enough that no value (``|v 2^k| < 2^22``) and no sum (``< 2^31``) overflows. It 
   ``j``, times the head blocks; the kernel counts them); ``base_j = min(22, 31 -
   bit_length(adds_j))`` bounds one value so that ``adds_j`` of them cannot overflow;
 * with ``e_j`` the exponent of the row's largest ``|v|`` (``|v| < 2^e_j``), ``k_j = base_j - e_j``;
-* the first :data:`SAMPLE_ROWS` query rows are launched once only to measure ``e_j`` (the
-  kernel ``red.max``-es every row's largest ``|v|``; their scale ``2^-126`` makes the adds
+* :data:`SAMPLE_ROWS` query rows spread over the call are launched once only to measure ``e_j``
+  (the kernel ``red.max``-es every row's largest ``|v|``; their scale ``2^-126`` makes the adds
   carry nothing);
 * every group is launched with a guess: ``e_j`` from the sample and the earlier groups (their
   median for a row not seen yet) plus :data:`MARGIN_BITS`, and ``base_j`` for at most one add
@@ -56,8 +56,9 @@ DEFAULT_EXPONENT = 0
 UNSEEN_EXPONENT = -126
 NONFINITE_EXPONENT = 129
 
-#: Launches the main kernel over query rows ``[r0, r1)`` with ``dkv_fixed``.
-MainLaunch = Callable[[int, int, torch.Tensor], None]
+#: Launches the main kernel over the query rows ``rows`` (a ``range``, its step 1 but for the
+#: sample) with ``dkv_fixed``.
+MainLaunch = Callable[[range, torch.Tensor], None]
 
 
 _NATURAL: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -70,6 +71,13 @@ def _natural(d_qk: int, dev: torch.device) -> torch.Tensor:
     if key not in _NATURAL:
         _NATURAL[key] = torch.tensor(natural_order(d_qk), dtype=torch.int64, device=dev)
     return _NATURAL[key]
+
+
+def sample_rows(s_q: int) -> range:
+    """The query rows of the measuring launch: at most :data:`SAMPLE_ROWS`, spread evenly over
+    the call, so that the sample meets KV rows from all of it (in a causal prefill the first
+    query rows reach only the first KV rows)."""
+    return range(0, s_q, max(1, -(-s_q // SAMPLE_ROWS)))
 
 
 def group_bounds(s_q: int) -> list[tuple[int, int]]:
@@ -134,7 +142,7 @@ def fixed_point_dkv(launch: MainLaunch, topk_idxs: torch.Tensor, topk_length: to
     # the sample (scale 2^-126: the adds carry nothing, only the maxima count)
     scale_word.fill_((K_MIN + 127) << 23)
     if s_q:
-        launch(0, min(s_q, SAMPLE_ROWS), fixed)
+        launch(sample_rows(s_q), fixed)
     adds = fixed[:s_kv, d_qk + WORD_COUNT]
     launched = fixed[:s_kv, :d_qk + WORD_COUNT + 1]  # what a launch adds to: a redo starts afresh
     skip = fixed[s_kv, CONTROL_SKIP]
@@ -147,7 +155,7 @@ def fixed_point_dkv(launch: MainLaunch, topk_idxs: torch.Tensor, topk_length: to
         k = torch.clamp(bound - exponent_guess(seen_e), K_MIN, K_MAX)
         fixed.zero_()
         scale_word.copy_(scale_bits(k))
-        launch(r0, r1, fixed)
+        launch(range(r0, r1), fixed)
         measured = magnitude_exponent(max_word)
         exact = torch.clamp(value_bits_bound(adds) - measured, K_MIN, K_MAX)
         off = exact - k  # < 0: the guess overflowed; > SLACK_BITS: it wasted precision
@@ -156,7 +164,7 @@ def fixed_point_dkv(launch: MainLaunch, topk_idxs: torch.Tensor, topk_length: to
         launched.masked_fill_(redo, 0)
         scale_word.copy_(scale_bits(k))
         skip.copy_(~redo)
-        launch(r0, r1, fixed)  # returns at once unless redo
+        launch(range(r0, r1), fixed)  # returns at once unless redo
         inverse = scale_bits(-k).view(torch.float32)[:, None]  # 2^-k
         part = integer_sums(words).float().mul_(inverse)  # exact: a power of 2
         total = part if total is None else total.add_(part)
@@ -168,5 +176,5 @@ def fixed_point_dkv(launch: MainLaunch, topk_idxs: torch.Tensor, topk_length: to
 
 __all__ = ["DEFAULT_EXPONENT", "GROUP_ROWS", "K_MAX", "K_MIN", "MARGIN_BITS", "NONFINITE_EXPONENT",
            "SAMPLE_ROWS", "SLACK_BITS", "UNSEEN_EXPONENT", "exponent_guess", "fixed_point_dkv",
-           "group_bounds", "integer_sums", "magnitude_exponent", "scale_bits",
+           "group_bounds", "integer_sums", "magnitude_exponent", "sample_rows", "scale_bits",
            "value_bits_bound"]

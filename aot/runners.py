@@ -241,9 +241,9 @@ class StagedBwd(BwdKernel):
                  dkv_acc, d_sink_acc, d_sink, None, None, None)
         launch(pre, pre_names, whole)
         if "dkv_fixed" in main.tensor_names:  # the fixed-point kernels (dsa_aot.fixed_point)
-            def run_group(r0: int, r1: int, fixed: torch.Tensor) -> None:
-                part = slice(r0, r1)
-                length = None if topk_length is None else topk_length[part]
+            def run_group(rows: range, fixed: torch.Tensor) -> None:
+                part = slice(rows.start, rows.stop, rows.step)  # the sample's has a step
+                length = None if topk_length is None else topk_length[part].contiguous()
                 launch(main, main_names, (q[part], kv, None, dout[part], None, topk_idxs[part],
                                           length, None, delta[part], lse_sink[part], dq[part],
                                           None, None, None, None, None, None, None, fixed))

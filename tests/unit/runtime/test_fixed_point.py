@@ -33,21 +33,24 @@ class ModelKernel:
         self.rng = np.random.default_rng(order_seed)
         self.launches = 0
         self.skipped = 0
-        self.log: list[tuple[int, int, bool]] = []  # (r0, r1, skipped) per launch
+        self.log: list[tuple[int, int, bool]] = []  # (first row, end, skipped) per launch
+        self.sampled: list[range] = []
         self.interleaved = [dkv_acc_column(c) for c in range(D)]
 
-    def __call__(self, r0: int, r1: int, fixed: torch.Tensor) -> None:
+    def __call__(self, rows: range, fixed: torch.Tensor) -> None:
         self.launches += 1
         skipped = int(fixed[self.s_kv, CONTROL_SKIP]) != 0
-        self.log.append((r0, r1, skipped))
+        self.log.append((rows.start, rows.stop, skipped))
+        if rows.step != 1:
+            self.sampled.append(rows)
         if skipped:
             self.skipped += 1
             return
         assert fixed.shape[0] == self.s_kv + 1 + SINK_ROWS
         words = fixed.numpy().view(np.uint32)
-        adds = [(t, s, h) for t in range(r0, r1) for s in range(self.idx.shape[1])
+        adds = [(t, s, h) for t in rows for s in range(self.idx.shape[1])
                 for h in range(self.rows.shape[2]) if 0 <= int(self.idx[t, s]) < self.s_kv]
-        for t in range(r0, r1):  # an invalid slot's adds go to a sink row: anything, unread
+        for t in rows:  # an invalid slot's adds go to a sink row: anything, unread
             for s in range(self.idx.shape[1]):
                 if not 0 <= int(self.idx[t, s]) < self.s_kv:
                     sink = self.s_kv + 1 + (t * 64 + s % 64) % SINK_ROWS
@@ -121,9 +124,10 @@ def test_a_later_group_far_above_the_first_is_redone_and_exact():
     out = fp.fixed_point_dkv(kernel, idx, None, 6, D, 1)
     ref = reference(idx, rows, 6)
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
-    # the sample [0, 4), then groups [0, 8), [8, 16), [16, 20): rows 12.. overflow the guess
-    # of the second group, which is redone; the third group's guess has seen them
-    assert kernel.log[0] == (0, 4, False) and kernel.launches == 7
+    # the sample (rows 0, 5, 10, 15), then groups [0, 8), [8, 16), [16, 20): rows 12.. overflow
+    # the guess of the second group, which is redone; the third group's guess has seen them
+    assert kernel.log[0] == (0, 20, False) and kernel.sampled == [range(0, 20, 5)]
+    assert kernel.launches == 7
     assert redone(kernel, 8) and not redone(kernel, 16)
 
 
@@ -247,7 +251,7 @@ def test_no_host_read_and_few_torch_ops_a_group(monkeypatch):
         monkeypatch.setattr(fp, "GROUP_ROWS", group_rows)
         with OpLog() as log:
             at = []
-            fp.fixed_point_dkv(lambda r0, r1, fixed: at.append(len(log.ops)), idx, None, 12, D, 1)
+            fp.fixed_point_dkv(lambda rows, fixed: at.append(len(log.ops)), idx, None, 12, D, 1)
         assert not [op for op in log.ops if "_local_scalar_dense" in op or "item" in op]
         assert at[0] <= 2 and at[1] - at[0] <= 20, at  # before the sample, then the first group
         counts.append(len(log.ops))
@@ -258,7 +262,15 @@ def test_no_host_read_and_few_torch_ops_a_group(monkeypatch):
 def test_no_query_row_launches_nothing_and_sums_to_zero():
     launches = []
     for length in (None, torch.zeros(0, dtype=torch.int32)):
-        out = fp.fixed_point_dkv(lambda r0, r1, fixed: launches.append((r0, r1)),
+        out = fp.fixed_point_dkv(lambda rows, fixed: launches.append(rows),
                                  torch.zeros((0, 4), dtype=torch.int32), length, 5, D, 2)
         assert out.shape == (5, D) and torch.equal(out, torch.zeros(5, D))
     assert launches == []
+
+
+def test_the_sample_spreads_over_the_call():
+    assert fp.sample_rows(0) == range(0) and fp.sample_rows(3) == range(0, 3)
+    assert fp.sample_rows(20) == range(0, 20, 5)  # SAMPLE_ROWS 4 here
+    for s_q in (1, 4, 5, 17, 4096):
+        rows = fp.sample_rows(s_q)
+        assert 0 < len(rows) <= fp.SAMPLE_ROWS and rows[0] == 0 and rows[-1] >= s_q - rows.step
