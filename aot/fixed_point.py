@@ -174,6 +174,7 @@ def fixed_point_dkv(launch: MainLaunch, topk_idxs: torch.Tensor, topk_length: to
     result = torch.index_select(total, 1, _natural(d_qk, dev), out=out)
     return result.masked_fill_((seen_e >= NONFINITE_EXPONENT)[:, None], float("nan"))
 
+
 __all__ = ["DEFAULT_EXPONENT", "GROUP_ROWS", "K_MAX", "K_MIN", "MARGIN_BITS", "NONFINITE_EXPONENT",
            "SAMPLE_ROWS", "SLACK_BITS", "UNSEEN_EXPONENT", "exponent_guess", "fixed_point_dkv",
            "group_bounds", "integer_sums", "magnitude_exponent", "sample_rows", "scale_bits",
