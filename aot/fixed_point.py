@@ -18,9 +18,8 @@ enough that no value (``|v 2^k| < 2^22``) and no sum (``< 2^31``) overflows. It 
   median for a row not seen yet) plus :data:`MARGIN_BITS`, and ``base_j`` for at most one add
   per query row and head block (distinct indices), so that nothing but the guess has to be
   ready before the launch. A second launch redoes the group with the measured ``e_j`` and the
-  counted adds when a row overflowed (its
-  ``e_j`` above the guess, or more adds than the bound) or lost more than :data:`SLACK_BITS`
-  bits to a guess too high. The kernel reads a skip flag from the control row, so the second
+  counted adds when a row overflowed (its ``e_j`` above the guess, or more adds than the bound)
+  or lost more than :data:`SLACK_BITS` bits to a guess too high. The kernel reads a skip flag from the control row, so the second
   launch is always queued and returns at once when not needed: no host sync anywhere, and the
   call can be captured in a CUDA graph;
 * the words start at zero; the kernel adds two neighbouring words at a time as one exact int64

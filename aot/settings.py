@@ -29,9 +29,9 @@ AUTO_FIXED_POINT_HEADS = 64
 
 def deterministic_mode_for(mode: str, heads: int) -> str:
     """The deterministic mode that serves a call with ``heads`` heads under the setting
-    ``mode``: ``auto`` is ``fixed_point`` from :data:`AUTO_FIXED_POINT_HEADS` heads on (1.20-1.27x
+    ``mode``: ``auto`` is ``fixed_point`` from :data:`AUTO_FIXED_POINT_HEADS` heads on (1.21-1.29x
     the fast mode's time on an H100, against 1.33-1.47x for stored rows) and ``stored_rows``
-    below (1.30x, where fixed point takes 1.30-1.57x); the others are themselves."""
+    below (1.30-1.35x, where fixed point takes 1.32-1.58x); the others are themselves."""
     if mode == "auto":
         return "fixed_point" if heads >= AUTO_FIXED_POINT_HEADS else "stored_rows"
     return mode

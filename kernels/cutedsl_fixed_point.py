@@ -10,7 +10,8 @@ The layout of ``dkv_fixed`` is :mod:`dsa_aot.kernels.fixed_point`. The dKV warpg
   after the fast mode's lane trade, neighbouring quad pairs trade half their 4-word runs so that
   one ``red.global.add.u64`` of the warp (two words a lane) adds two whole 128-byte lines, in
   the same interleaved column order as the fast mode's fp32 atomics;
-* :func:`flush_max`: the row's largest ``|v|`` (``red.global.max.u32`` of fp32 bits).
+* :func:`flush_max`: the row's largest ``|v|`` (``red.global.max.u32`` of fp32 bits) and its
+  count of adds.
 
 This module imports ``cutlass``: use it in a build process only.
 """
@@ -93,8 +94,8 @@ def red_add_word_pairs(base: Int64, row: Int32, stride: Int32, lane_word: Int32,
     ``second_byte`` (immediates) from word ``row * stride + lane_word`` (even), each pair as the
     int64 ``n_lo + 2^32 n_hi`` (its bits, low word first, less :data:`PAIR_MAGIC`; adding the
     bits as they are and leaving the subtraction to the runtime makes ptxas spill at H32). Not
-    predicated (ptxas makes a predicated ``red`` a branch): an invalid slot's
-    ``row`` is a sink row. One address for both, made inside the block so that the compiler
+    predicated (ptxas makes a predicated ``red`` a branch): an invalid slot's ``row`` is a sink
+    row. One address for both, made inside the block so that the compiler
     cannot keep one pointer per row, group and chunk alive across the block loop."""
     _asm(None, [Int64(base), Int32(row), Int32(stride), Int32(lane_word), Int32(lo0), Int32(hi0),
                 Int32(lo1), Int32(hi1)],
@@ -124,9 +125,7 @@ def launch_skipped(m_dkv: cute.Tensor, s_kv: Int32) -> Int32:
 @cute.jit
 def sink_rows(rows: Int32) -> Int32:
     """The first of this CTA's 64 sink rows (:data:`SINK_ROWS` after the control row of
-    ``dkv_fixed``'s ``rows``, 64 a CTA in turn), where the adds of its invalid slots go. Made
-    where it is used from the launch's parameters: kept in a register across the block loop,
-    it makes ptxas spill."""
+    ``dkv_fixed``'s ``rows``, 64 a CTA in turn), where the adds of its invalid slots go."""
     cta, _, _ = cute.arch.block_idx()
     return rows - SINK_ROWS + (cta % (SINK_ROWS // 64)) * 64
 
@@ -164,10 +163,10 @@ def add_fixed(acc: cute.Tensor, s_idx: cute.Tensor, first: Int32, stride: Int32,
     lane ``q`` of the pair the 4 at interleaved words ``w = 4 (q % 4) + 16 ((q / 4) ^ side)``.
     Neighbouring pairs (``lane ^ 8``) then trade half a run: the even pair's lane keeps words
     ``w, w + 1`` of its row and takes the odd pair's, the odd pair's lane keeps ``w + 2, w + 3``
-    of its row and takes the even pair's. Each add is one ``red.global.add.u64`` of two words
-    (:func:`red_add_word_pairs`; the low word's carry lands in the high word, which the runtime takes
-    back): an add of the warp covers two whole 128-byte lines, a row of pairs 0-1 and one of
-    pairs 2-3, and the two groups of a chunk share the address."""
+    of its row and takes the even pair's. Each add is one ``red.global.add.u64`` of two words as
+    an exact int64 (:func:`red_add_word_pairs`): an add of the warp covers two whole 128-byte
+    lines, a row of pairs 0-1 and one of pairs 2-3, and the two groups of a chunk share the
+    address."""
     rows = cute.size(acc, mode=[0])
     upper = (lane // 4) % 2
     quad = lane % 4
@@ -198,7 +197,7 @@ def add_fixed(acc: cute.Tensor, s_idx: cute.Tensor, first: Int32, stride: Int32,
                 row = s_idx[first + i]
                 row = _select(row >= 0, row, sink_rows(rows_total) + i)
                 red_add_word_pairs(base, row, stride, lane_word + 16 * (upper ^ side), 4 * col0,
-                              4 * (col0 + 32), *kept[0, side, half], *kept[1, side, half])
+                                   4 * (col0 + 32), *kept[0, side, half], *kept[1, side, half])
     return row_max
 
 

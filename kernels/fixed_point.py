@@ -1,7 +1,8 @@
 """Layout of the deterministic backward's int32 fixed-point dKV accumulator (no ``cutlass``
 import: the runtime and the kernels share it).
 
-``dkv_fixed`` is int32 ``[s_kv + 1 + SINK_ROWS, D + PAD_WORDS]``. Row ``j < s_kv`` holds KV row ``j``:
+``dkv_fixed`` is int32 ``[s_kv + 1 + SINK_ROWS, D + PAD_WORDS]``. Row ``j < s_kv`` holds KV
+row ``j``:
 
 * words ``[0, D)``: the sums of ``rni(v * 2^k_j)`` over every dKV value ``v`` added to the row,
   in the interleaved column order of :mod:`dsa_aot.kernels.dkv_interleave`, two words at a
@@ -29,13 +30,12 @@ from __future__ import annotations
 
 #: int32 words after each row's ``D`` values (keeps rows 16-byte aligned at D 512 / 576).
 PAD_WORDS = 8
-#: Offsets from ``D`` of the scale and the largest-magnitude words.
+#: Offsets from ``D`` of the scale, the largest-magnitude and the add-count words.
 WORD_SCALE = 1
 WORD_MAX = 2
+WORD_COUNT = 3
 #: Rows after the control row that invalid slots add to (64 a CTA, CTAs in turn).
 SINK_ROWS = 1024
-#: Offset from ``D`` of the add count.
-WORD_COUNT = 3
 #: Word of the control row (row ``s_kv``) whose nonzero value skips the launch.
 CONTROL_SKIP = 1
 #: fp32 bits of ``1.5 * 2^23``: ``fma(v, s, 1.5 * 2^23)`` has ``MAGIC_BITS + rni(v s)`` as bits
