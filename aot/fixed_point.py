@@ -12,16 +12,17 @@ enough that no value (``|v 2^k| < 2^22``) and no sum (``< 2^31``) overflows. It 
   bit_length(adds_j))`` bounds one value so that ``adds_j`` of them cannot overflow;
 * with ``e_j`` the exponent of the row's largest ``|v|`` (``|v| < 2^e_j``), ``k_j = base_j - e_j``;
 * :data:`SAMPLE_ROWS` query rows spread over the call are launched once only to measure ``e_j``
-  (the kernel ``red.max``-es every row's largest ``|v|``; their scale ``2^-126`` makes the adds
+  (the kernel ``red.max``-es every row's largest ``|v|``; with the scale words at zero the adds
   carry nothing);
 * every group is launched with a guess: ``e_j`` from the sample and the earlier groups (their
-  median for a row not seen yet) plus :data:`MARGIN_BITS`, and ``base_j`` for at most one add
-  per query row and head block (distinct indices), so that nothing but the guess has to be
-  ready before the launch. A second launch redoes the group with the measured ``e_j`` and the
-  counted adds when a row overflowed (its ``e_j`` above the guess, or more adds than the bound)
-  or lost more than :data:`SLACK_BITS` bits to a guess too high. The kernel reads a skip flag from the control row, so the second
-  launch is always queued and returns at once when not needed: no host sync anywhere, and the
-  call can be captured in a CUDA graph;
+  median for a row not seen yet; the largest scale when the sample saw no row) plus
+  :data:`MARGIN_BITS`, and ``base_j`` for at most one add per query row and head block
+  (distinct indices), so that nothing but the guess has to be ready before the launch. A second
+  launch redoes the group with the measured ``e_j`` and the counted adds when a row overflowed
+  (its ``e_j`` above the guess, or more adds than the bound) or lost more than
+  :data:`SLACK_BITS` bits to a guess too high. The kernel reads a skip flag from the control
+  row, so the second launch is always queued and returns at once when not needed: no host sync
+  anywhere, and the call can be captured in a CUDA graph;
 * the words start at zero; the kernel adds two neighbouring words at a time as one exact int64
   (``n_lo + 2^32 n_hi``), which :func:`integer_sums` splits back into the two words' sums before
   each group's sums are folded into an fp32 total, ``sum * 2^-k_j``, groups in order.
@@ -47,13 +48,11 @@ GROUP_ROWS = 4096
 MARGIN_BITS = 4
 #: A guess this many bits above the measured maximum costs too much precision: redo.
 SLACK_BITS = 12
-#: fp32 exponent range of a scale ``2^k``.
-K_MIN, K_MAX = -126, 126
-#: ``e`` of a row without a measurement in any earlier group and no row to take a median of.
-DEFAULT_EXPONENT = 0
-#: ``e`` of a row that no value (or only zeros) reached yet, and of a non-finite maximum.
-UNSEEN_EXPONENT = -126
-NONFINITE_EXPONENT = 129
+#: Biased fp32 exponent ``k + 127`` of a scale ``2^k``, ``k`` in ``[-126, 126]``.
+S_MIN, S_MAX = 1, 253
+#: Biased exponent ``E`` of a row's largest ``|v|`` (:func:`biased_exponent`) that no value (or
+#: only zeros) reached yet, and of a non-finite maximum.
+UNSEEN, NONFINITE = 0, 255
 
 #: Launches the main kernel over the query rows ``rows`` (a ``range``, its step 1 but for the
 #: sample) with ``dkv_fixed``.
@@ -91,15 +90,29 @@ def value_bits_bound(adds: torch.Tensor) -> torch.Tensor:
     return torch.clamp(31 - length, max=VALUE_BITS)
 
 
-def magnitude_exponent(max_bits: torch.Tensor) -> torch.Tensor:
-    """``e`` with ``|v| < 2^e`` from the fp32 bits of the largest ``|v|`` (biased exponent
-    ``E``: ``|v| < 2^(E - 126)``; 0, subnormal: -126; non-finite: 129)."""
-    return (max_bits >> 23) - 126
+def biased_exponent(max_bits: torch.Tensor) -> torch.Tensor:
+    """``E``, the biased exponent of the fp32 bits of a row's largest ``|v|``: ``|v| < 2^(E -
+    126)``; :data:`UNSEEN` (0) for zero or a subnormal, :data:`NONFINITE` (255) for inf or NaN."""
+    return max_bits >> 23
 
 
-def scale_bits(k: torch.Tensor) -> torch.Tensor:
-    """fp32 bits of ``2^k`` (``k`` in ``[K_MIN, K_MAX]``)."""
-    return ((k + 127) << 23).to(torch.int32)
+def scale_for(base: torch.Tensor | int, e: torch.Tensor) -> torch.Tensor:
+    """``k + 127`` of the scale ``2^k`` that keeps a row's values within ``base`` bits: ``k =
+    base - (E - 126)`` for ``|v| < 2^(E - 126)``, clamped to ``[-126, 126]``."""
+    return torch.clamp(base + 253 - e, S_MIN, S_MAX)
+
+
+def guessed_scale(seen: torch.Tensor, bound: int) -> torch.Tensor:
+    """``k + 127`` of each row's first scale in a group whose values stay within ``bound`` bits,
+    from ``seen``, the rows' largest ``E`` so far: the row's own, else (:data:`UNSEEN`) the lower
+    median over the seen rows, plus :data:`MARGIN_BITS`. With no row seen every row gets the
+    largest scale (a group with a nonzero value is then redone with the measured ones). No host
+    sync and no sort: ``nanmedian`` along a dimension is one selection kernel, and ``seen / (seen
+    != 0)`` makes the unseen rows NaN, which it skips."""
+    if not seen.numel():  # no KV row (the median of nothing is an error)
+        return seen.clone()
+    median = torch.nanmedian(seen / (seen != UNSEEN), dim=0).values.nan_to_num_(0.0)
+    return scale_for(bound - MARGIN_BITS, torch.where(seen == UNSEEN, median.to(seen.dtype), seen))
 
 
 def integer_sums(words: torch.Tensor) -> torch.Tensor:
@@ -112,69 +125,57 @@ def integer_sums(words: torch.Tensor) -> torch.Tensor:
     return words
 
 
-def exponent_guess(seen_e: torch.Tensor) -> torch.Tensor:
-    """A row's guessed ``e``: its earlier maximum, else (:data:`UNSEEN_EXPONENT`: no value seen)
-    the median over the seen rows (:data:`DEFAULT_EXPONENT` when none), plus
-    :data:`MARGIN_BITS`. No host sync."""
-    unseen = seen_e == UNSEEN_EXPONENT
-    n_unseen = unseen.sum()
-    ordered = torch.sort(seen_e).values  # the unseen rows first
-    middle = ((seen_e.numel() - 1 + n_unseen) // 2).view(1)  # the middle seen row
-    median = ordered.index_select(0, middle)  # not ordered[middle]: that reads it on the host
-    median = torch.where(n_unseen == seen_e.numel(), DEFAULT_EXPONENT, median)
-    return torch.where(unseen, median, seen_e) + MARGIN_BITS
-
-
 def fixed_point_dkv(launch: MainLaunch, topk_idxs: torch.Tensor, topk_length: torch.Tensor | None,
-                    s_kv: int, d_qk: int, head_blocks: int,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    s_kv: int, d_qk: int, head_blocks: int) -> torch.Tensor:
     """Run the main kernel once over the sample rows, then twice over every group
-    (:func:`launch`) and return dKV as fp32 ``[s_kv, d_qk]`` in natural column order (into
-    ``out`` when given): the groups' fixed-point sums folded in order, NaN rows where a
-    non-finite value was added. Few torch ops: each costs host time between the launches."""
+    (:func:`launch`) and return dKV as fp32 ``[s_kv, d_qk]`` in natural column order: the
+    groups' fixed-point sums folded in order, NaN rows where a non-finite value was added.
+
+    Few torch ops, fewest between the sample's launch and the first group's: there the GPU
+    waits for the host. The sample runs with the scale words at zero, so its adds carry nothing
+    (``fma(v, 0, 1.5 2^23)`` is the magic itself): the first group only needs the max and count
+    words cleared (a non-finite sample value's garbage lands in a row that ends NaN)."""
     dev = topk_idxs.device
     s_q = topk_idxs.shape[0]
     fixed = torch.zeros((s_kv + 1 + SINK_ROWS, row_words(d_qk)), dtype=torch.int32, device=dev)
     words = fixed[:s_kv, :d_qk]
     scale_word = fixed[:s_kv, d_qk + WORD_SCALE]
     max_word = fixed[:s_kv, d_qk + WORD_MAX]
-    # the sample (scale 2^-126: the adds carry nothing, only the maxima count)
-    scale_word.fill_((K_MIN + 127) << 23)
-    if s_q:
-        launch(sample_rows(s_q), fixed)
     adds = fixed[:s_kv, d_qk + WORD_COUNT]
+    stats = fixed[:s_kv, d_qk + WORD_MAX:d_qk + WORD_COUNT + 1]
     launched = fixed[:s_kv, :d_qk + WORD_COUNT + 1]  # what a launch adds to: a redo starts afresh
     skip = fixed[s_kv, CONTROL_SKIP]
-    seen_e = magnitude_exponent(max_word)  # UNSEEN_EXPONENT: no value (or only zeros) yet
+    if s_q:
+        launch(sample_rows(s_q), fixed)
+    seen = biased_exponent(max_word)
     total = None
     for r0, r1 in group_bounds(s_q):
         # the guess needs no count: a group adds at most once a query row and head block to a
         # row (distinct indices); the kernel counts the adds, and a group with more is redone
         bound = min(VALUE_BITS, 31 - ((r1 - r0) * head_blocks).bit_length())
-        k = torch.clamp(bound - exponent_guess(seen_e), K_MIN, K_MAX)
-        fixed.zero_()
-        scale_word.copy_(scale_bits(k))
+        scale = guessed_scale(seen, bound)
+        (stats if total is None else fixed).zero_()
+        torch.bitwise_left_shift(scale, 23, out=scale_word)
         launch(range(r0, r1), fixed)
-        measured = magnitude_exponent(max_word)
-        exact = torch.clamp(value_bits_bound(adds) - measured, K_MIN, K_MAX)
-        off = exact - k  # < 0: the guess overflowed; > SLACK_BITS: it wasted precision
+        measured = biased_exponent(max_word)
+        exact = scale_for(value_bits_bound(adds), measured)
+        off = exact - scale  # < 0: the guess overflowed; > SLACK_BITS: it wasted precision
         redo = ((adds > 0) & ((off < 0) | (off > SLACK_BITS))).any()
-        k = torch.where(redo, exact, k)
+        scale = torch.where(redo, exact, scale)
         launched.masked_fill_(redo, 0)
-        scale_word.copy_(scale_bits(k))
+        torch.bitwise_left_shift(scale, 23, out=scale_word)
         skip.copy_(~redo)
         launch(range(r0, r1), fixed)  # returns at once unless redo
-        inverse = scale_bits(-k).view(torch.float32)[:, None]  # 2^-k
-        part = integer_sums(words).float().mul_(inverse)  # exact: a power of 2
+        inverse = ((254 - scale) << 23).view(torch.float32)[:, None]  # 2^-k: exact, a power of 2
+        part = integer_sums(words).float().mul_(inverse)
         total = part if total is None else total.add_(part)
-        seen_e = torch.maximum(seen_e, measured)
+        seen = torch.maximum(seen, measured)
     if total is None:  # no query row
-        total = torch.zeros((s_kv, d_qk), dtype=torch.float32, device=dev)
-    result = torch.index_select(total, 1, _natural(d_qk, dev), out=out)
-    return result.masked_fill_((seen_e >= NONFINITE_EXPONENT)[:, None], float("nan"))
+        return torch.zeros((s_kv, d_qk), dtype=torch.float32, device=dev)
+    result = torch.index_select(total, 1, _natural(d_qk, dev))
+    return result.masked_fill_((seen == NONFINITE)[:, None], float("nan"))
 
 
-__all__ = ["DEFAULT_EXPONENT", "GROUP_ROWS", "K_MAX", "K_MIN", "MARGIN_BITS", "NONFINITE_EXPONENT",
-           "SAMPLE_ROWS", "SLACK_BITS", "UNSEEN_EXPONENT", "exponent_guess", "fixed_point_dkv",
-           "group_bounds", "integer_sums", "magnitude_exponent", "sample_rows", "scale_bits",
-           "value_bits_bound"]
+__all__ = ["GROUP_ROWS", "MARGIN_BITS", "NONFINITE", "SAMPLE_ROWS", "SLACK_BITS", "S_MAX", "S_MIN",
+           "UNSEEN", "biased_exponent", "fixed_point_dkv", "group_bounds", "guessed_scale",
+           "integer_sums", "sample_rows", "scale_for", "value_bits_bound"]

@@ -215,18 +215,24 @@ class StagedBwd(BwdKernel):
 
     def _deterministic(self, q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, softmax_scale,
                        delta, lse_sink, dq, dkv):
-        """The deterministic mode (CuTe DSL stages): the preprocess once; then per chunk of query
-        rows the main kernel stores each valid slot's dKV row (``dkv_rows``), and the postprocess
-        sums every KV row's stored rows in the order :func:`dkv_row_order` gives into
-        ``dkv_acc`` (fp32, the running total) and ``dkv``. Chunks hold at most
-        ``deterministic_workspace`` bytes of rows (:func:`deterministic_chunk_rows`)."""
+        """The deterministic mode (CuTe DSL stages): the preprocess once, then either
+
+        * (fixed-point kernels) the main kernel over a sample and each group of query rows,
+          adding dKV as exact integers (:func:`~dsa_aot.fixed_point.fixed_point_dkv`), then
+          torch converts the fp32 sums to ``dkv`` and folds the ``d_sink`` partials, or
+        * per chunk of query rows the main kernel stores each valid slot's dKV row
+          (``dkv_rows``), and the postprocess sums every KV row's stored rows in the order
+          :func:`dkv_row_order` gives into ``dkv_acc`` (fp32, the running total) and ``dkv``.
+          Chunks hold at most ``deterministic_workspace`` bytes of rows
+          (:func:`deterministic_chunk_rows`).
+
+        Every sum has an order (or none that matters) fixed by the inputs."""
         from dsa_aot import settings as _settings
 
         s_q, heads, d_qk = q.shape
         s_kv, topk = kv.shape[0], topk_idxs.shape[1]
         dev = q.device
         hb = head_blocks(heads)
-        dkv_acc = torch.zeros((s_kv, d_qk), dtype=torch.float32, device=dev)
         d_sink_acc = torch.empty((d_sink_parts(s_q), heads), dtype=torch.float32, device=dev)
         d_sink = torch.empty((heads,), dtype=torch.float32, device=dev)
         stream = current_stream(dev)
@@ -237,10 +243,12 @@ class StagedBwd(BwdKernel):
         def launch(kernel, names, tensors):
             kernel(*names[0](tensors), stream=stream, **{n: scalars[n] for n in names[1]})
 
+        fixed_point = "dkv_fixed" in main.tensor_names  # the fixed-point kernels
+        dkv_acc = None if fixed_point else torch.zeros((s_kv, d_qk), dtype=torch.float32, device=dev)
         whole = (q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, delta, lse_sink, dq, dkv,
                  dkv_acc, d_sink_acc, d_sink, None, None, None)
         launch(pre, pre_names, whole)
-        if "dkv_fixed" in main.tensor_names:  # the fixed-point kernels (dsa_aot.fixed_point)
+        if fixed_point:
             def run_group(rows: range, fixed: torch.Tensor) -> None:
                 part = slice(rows.start, rows.stop, rows.step)  # the sample's has a step
                 length = None if topk_length is None else topk_length[part].contiguous()
@@ -248,11 +256,8 @@ class StagedBwd(BwdKernel):
                                           length, None, delta[part], lse_sink[part], dq[part],
                                           None, None, None, None, None, None, None, fixed))
 
-            fixed_point_dkv(run_group, topk_idxs, topk_length, s_kv, d_qk, hb, out=dkv_acc)
-            empty = torch.empty((0, d_qk), dtype=torch.bfloat16, device=dev)
-            order = torch.empty((0,), dtype=torch.int32, device=dev)
-            offsets = torch.zeros((s_kv + 1,), dtype=torch.int32, device=dev)
-            launch(post, post_names, whole[:15] + (empty, order, offsets))
+            dkv.copy_(fixed_point_dkv(run_group, topk_idxs, topk_length, s_kv, d_qk, hb))
+            torch.sum(d_sink_acc, dim=0, out=d_sink)  # the preprocess's partials: a fixed order
             return dq, dkv, d_sink
         rows_per_chunk = deterministic_chunk_rows(s_q, topk, hb, d_qk,
                                                   _settings.get().deterministic_workspace)

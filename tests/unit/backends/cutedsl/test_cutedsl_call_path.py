@@ -297,3 +297,52 @@ def test_bwd_runner_passes_the_stages_names(monkeypatch: pytest.MonkeyPatch) -> 
         {"softmax_scale": 0.5, "s_q": 3, "s_kv": 10, "topk": 5}
     assert args["dkv_acc"] == post.calls[-1][0][0].data_ptr() and args["d_sink"] == pre.calls[-1][0][6].data_ptr()
     assert "d_sink_acc" not in args  # the fast backward has none
+
+
+def test_bwd_runner_fixed_point_path_needs_no_postprocess(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deterministic call with the fixed-point main kernel: the preprocess once, the main kernel
+    through ``fixed_point_dkv``'s launches, then ``dkv`` is its fp32 result rounded to bf16 (NaN
+    rows kept) and ``d_sink`` the sum of the preprocess's partials; no postprocess launch, no
+    fp32 ``dkv_acc``."""
+    monkeypatch.setattr(runners, "current_stream", lambda dev: 7)
+    s_q, s_kv = 40, 10
+    parts = runners.d_sink_parts(s_q)
+    partials = torch.randn(parts, H, dtype=torch.float32)
+
+    class Pre(_Stage):
+        def __call__(self, *tensors, **kwargs) -> None:
+            super().__call__(*tensors, **kwargs)
+            tensors[-1].copy_(partials)  # d_sink_acc
+
+    pre = Pre(["out", "dout", "lse", "attn_sink", "delta", "lse_sink", "d_sink_acc"], [])
+    main = _Stage(["q", "kv", "dout", "topk_idxs", "topk_length", "lse_sink", "delta", "dq", "dkv_fixed"],
+                  ["softmax_scale"])
+    post = _Stage(["dkv_rows", "row_order", "row_offsets", "dkv_acc", "dkv", "d_sink_acc", "d_sink"],
+                  ["row_group"])
+    sums = torch.randn(s_kv, D, dtype=torch.float32) * 1e3 + 0.1
+    sums[3] = float("nan")
+    seen = {}
+
+    def fake_fixed_point_dkv(launch, topk_idxs, topk_length, s_kv_, d_qk, head_blocks):
+        seen.update(s_kv=s_kv_, d_qk=d_qk, head_blocks=head_blocks)
+        fixed = torch.zeros(s_kv_ + 1, d_qk + 8, dtype=torch.int32)
+        launch(range(0, s_q, 8), fixed)  # a stepped sample
+        launch(range(0, s_q), fixed)
+        return sums.clone()
+
+    monkeypatch.setattr(runners, "fixed_point_dkv", fake_fixed_point_dkv)
+    spec = KernelSpec.from_id("bwd-sm_90a-d576-h64-compact-cutedsl-det")
+    q, kv = torch.randn(s_q, H, D), torch.randn(s_kv, D)
+    out, dout, lse = torch.randn(s_q, H, DV), torch.randn(s_q, H, DV), torch.randn(s_q, H)
+    idx, length, sink = torch.zeros(s_q, 5, dtype=torch.int32), torch.arange(s_q, dtype=torch.int32), torch.randn(H)
+    dq, dkv, d_sink = runners.StagedBwd(pre, main, post, spec)(q, kv, out, dout, lse, idx, length, sink, 0.5)
+    assert post.calls == [] and len(pre.calls) == 1 and seen == {"s_kv": s_kv, "d_qk": D, "head_blocks": 1}
+    assert dkv.dtype == torch.bfloat16
+    assert torch.isnan(dkv[3]).all() and torch.equal(dkv[torch.arange(s_kv) != 3],
+                                                     sums[torch.arange(s_kv) != 3].to(torch.bfloat16))
+    assert torch.equal(d_sink, partials.sum(0))
+    (sample_t, sample_kw), (group_t, _) = main.calls
+    assert sample_kw == {"stream": 7, "softmax_scale": 0.5}
+    assert torch.equal(sample_t[0], q[::8]) and torch.equal(sample_t[4], length[::8])
+    assert sample_t[4].is_contiguous() and group_t[0].data_ptr() == q.data_ptr()
+    assert sample_t[7].data_ptr() == dq.data_ptr() and sample_t[7].stride(0) == 8 * dq.stride(0)
