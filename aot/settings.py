@@ -29,9 +29,10 @@ AUTO_FIXED_POINT_HEADS = 64
 
 def deterministic_mode_for(mode: str, heads: int) -> str:
     """The deterministic mode that serves a call with ``heads`` heads under the setting
-    ``mode``: ``auto`` is ``fixed_point`` from :data:`AUTO_FIXED_POINT_HEADS` heads on (1.21-1.29x
-    the fast mode's time on an H100, against 1.33-1.47x for stored rows) and ``stored_rows``
-    below (1.30-1.35x, where fixed point takes 1.32-1.58x); the others are themselves."""
+    ``mode``: ``auto`` is ``fixed_point`` from :data:`AUTO_FIXED_POINT_HEADS` heads on (1.21-1.31x
+    the fast mode's time on an H100, against 1.39-1.59x for stored rows) and ``stored_rows``
+    below (1.28-1.34x; fixed point is level at D576 K2048, 1.30-1.32x, and slower at K512,
+    1.44x); the others are themselves."""
     if mode == "auto":
         return "fixed_point" if heads >= AUTO_FIXED_POINT_HEADS else "stored_rows"
     return mode
