@@ -167,7 +167,7 @@ def fixed_point_dkv(launch: MainLaunch, topk_idxs: torch.Tensor, topk_length: to
         skip.copy_(~redo)
         launch(range(r0, r1), fixed)  # returns at once unless redo
         inverse = ((254 - scale) << 23).view(torch.float32)[:, None]  # 2^-k: exact, a power of 2
-        part = integer_sums(words).float().mul_(inverse)
+        part = torch.mul(integer_sums(words), inverse)  # int32 * fp32: the fp32 product
         total = part if total is None else total.add_(part)
         seen = torch.maximum(seen, measured)
     if total is None:  # no query row
