@@ -138,13 +138,9 @@ def fixed_point_dkv(launch: MainLaunch, topk_idxs: torch.Tensor, topk_length: to
     dev = topk_idxs.device
     s_q = topk_idxs.shape[0]
     fixed = torch.zeros((s_kv + 1 + SINK_ROWS, row_words(d_qk)), dtype=torch.int32, device=dev)
-    words = fixed[:s_kv, :d_qk]
     scale_word = fixed[:s_kv, d_qk + WORD_SCALE]
     max_word = fixed[:s_kv, d_qk + WORD_MAX]
-    adds = fixed[:s_kv, d_qk + WORD_COUNT]
     stats = fixed[:s_kv, d_qk + WORD_MAX:d_qk + WORD_COUNT + 1]
-    launched = fixed[:s_kv, :d_qk + WORD_COUNT + 1]  # what a launch adds to: a redo starts afresh
-    skip = fixed[s_kv, CONTROL_SKIP]
     if s_q:
         launch(sample_rows(s_q), fixed)
     seen = biased_exponent(max_word)
@@ -157,6 +153,9 @@ def fixed_point_dkv(launch: MainLaunch, topk_idxs: torch.Tensor, topk_length: to
         (stats if total is None else fixed).zero_()
         torch.bitwise_left_shift(scale, 23, out=scale_word)
         launch(range(r0, r1), fixed)
+        # views made after the launch: each costs host time, which before it the GPU waits for
+        words, adds = fixed[:s_kv, :d_qk], fixed[:s_kv, d_qk + WORD_COUNT]
+        launched = fixed[:s_kv, :d_qk + WORD_COUNT + 1]  # what a launch adds to: a redo starts afresh
         measured = biased_exponent(max_word)
         exact = scale_for(value_bits_bound(adds), measured)
         off = exact - scale  # < 0: the guess overflowed; > SLACK_BITS: it wasted precision
@@ -164,7 +163,7 @@ def fixed_point_dkv(launch: MainLaunch, topk_idxs: torch.Tensor, topk_length: to
         scale = torch.where(redo, exact, scale)
         launched.masked_fill_(redo, 0)
         torch.bitwise_left_shift(scale, 23, out=scale_word)
-        skip.copy_(~redo)
+        fixed[s_kv, CONTROL_SKIP].copy_(~redo)
         launch(range(r0, r1), fixed)  # returns at once unless redo
         inverse = ((254 - scale) << 23).view(torch.float32)[:, None]  # 2^-k: exact, a power of 2
         part = torch.mul(integer_sums(words), inverse)  # int32 * fp32: the fp32 product

@@ -250,11 +250,17 @@ class StagedBwd(BwdKernel):
         launch(pre, pre_names, whole)
         if fixed_point:
             def run_group(rows: range, fixed: torch.Tensor) -> None:
-                part = slice(rows.start, rows.stop, rows.step)  # the sample's has a step
-                length = None if topk_length is None else topk_length[part].contiguous()
-                launch(main, main_names, (q[part], kv, None, dout[part], None, topk_idxs[part],
-                                          length, None, delta[part], lse_sink[part], dq[part],
-                                          None, None, None, None, None, None, None, fixed))
+                if rows == range(s_q):  # the whole call: no slicing (host time the GPU waits for)
+                    part_q, part_dout, part_idx, length, part_delta, part_lse, part_dq = \
+                        q, dout, topk_idxs, topk_length, delta, lse_sink, dq
+                else:
+                    part = slice(rows.start, rows.stop, rows.step)  # the sample's has a step
+                    part_q, part_dout, part_idx, part_delta, part_lse, part_dq = (
+                        q[part], dout[part], topk_idxs[part], delta[part], lse_sink[part], dq[part])
+                    length = None if topk_length is None else topk_length[part].contiguous()
+                launch(main, main_names, (part_q, kv, None, part_dout, None, part_idx, length, None,
+                                          part_delta, part_lse, part_dq, None, None, None, None,
+                                          None, None, None, fixed))
 
             dkv.copy_(fixed_point_dkv(run_group, topk_idxs, topk_length, s_kv, d_qk, hb))
             torch.sum(d_sink_acc, dim=0, out=d_sink)  # the preprocess's partials: a fixed order

@@ -327,7 +327,8 @@ def test_bwd_runner_fixed_point_path_needs_no_postprocess(monkeypatch: pytest.Mo
         seen.update(s_kv=s_kv_, d_qk=d_qk, head_blocks=head_blocks)
         fixed = torch.zeros(s_kv_ + 1, d_qk + 8, dtype=torch.int32)
         launch(range(0, s_q, 8), fixed)  # a stepped sample
-        launch(range(0, s_q), fixed)
+        launch(range(0, s_q), fixed)  # the whole call: the caller's tensors themselves
+        launch(range(8, 24), fixed)  # a group of a larger call: slices
         return sums.clone()
 
     monkeypatch.setattr(runners, "fixed_point_dkv", fake_fixed_point_dkv)
@@ -341,8 +342,11 @@ def test_bwd_runner_fixed_point_path_needs_no_postprocess(monkeypatch: pytest.Mo
     assert torch.isnan(dkv[3]).all() and torch.equal(dkv[torch.arange(s_kv) != 3],
                                                      sums[torch.arange(s_kv) != 3].to(torch.bfloat16))
     assert torch.equal(d_sink, partials.sum(0))
-    (sample_t, sample_kw), (group_t, _) = main.calls
+    (sample_t, sample_kw), (whole_t, _), (group_t, _) = main.calls
     assert sample_kw == {"stream": 7, "softmax_scale": 0.5}
     assert torch.equal(sample_t[0], q[::8]) and torch.equal(sample_t[4], length[::8])
-    assert sample_t[4].is_contiguous() and group_t[0].data_ptr() == q.data_ptr()
+    assert sample_t[4].is_contiguous()
     assert sample_t[7].data_ptr() == dq.data_ptr() and sample_t[7].stride(0) == 8 * dq.stride(0)
+    assert whole_t[0] is q and whole_t[3] is idx and whole_t[4] is length and whole_t[7] is dq
+    assert torch.equal(group_t[0], q[8:24]) and group_t[7].data_ptr() == dq[8].data_ptr()
+    assert torch.equal(group_t[4], length[8:24]) and group_t[3].shape == (16, 5)
