@@ -144,6 +144,18 @@ def test_a_later_group_far_below_the_first_is_redone_for_precision():
         reference(idx, rows, 6).norm())
 
 
+def test_a_guess_a_few_bits_high_is_kept_and_stays_accurate():
+    """A later group 2^-4 below what was seen keeps its guess (within :data:`SLACK_BITS` plus the
+    margin), and the call's sums stay as close to the fp64 reference as an exact guess's."""
+    idx, rows = case(s_q=20, s_kv=6, topk=5, heads=1, spread=1.0)
+    rows[12:] *= 2.0 ** -4
+    kernel = ModelKernel(idx, rows, 6)
+    out = fp.fixed_point_dkv(kernel, idx, None, 6, D, 1)
+    assert not redone(kernel, 8) and not redone(kernel, 16)
+    ref = reference(idx, rows, 6)
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
+
+
 def test_compact_lengths_and_padding_add_nothing():
     idx, rows = case(s_q=10, s_kv=8, topk=6, heads=1)
     length = torch.tensor([0, 6, 3, 9, -1, 2, 6, 1, 4, 5], dtype=torch.int32)
