@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, make_inputs, time_cuda  # noqa: E402
+from common import environment, make_inputs, time_cuda, write_results  # noqa: E402
 
 import dsa_aot  # noqa: E402
 import dsa_aot.fixed_point as fixed_point  # noqa: E402
@@ -118,8 +118,7 @@ def main() -> int:
         fixed_point.sample_rows = SAMPLES["spread"]
     doc = {"command": " ".join(["python", *sys.argv]), "environment": env, "timing": timing,
            "accuracy": accuracy}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    write_results(args.out, doc)
     return 0
 
 

@@ -1,11 +1,13 @@
-"""Shared helpers for the benchmarks: inputs, timing, environment description."""
+"""Shared helpers for the benchmarks: inputs, timing, environment description, result files."""
 
 from __future__ import annotations
 
 import datetime
 import importlib.metadata as md
+import json
 import platform
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -93,3 +95,11 @@ def environment() -> dict[str, str]:
         "nvidia-cudnn-frontend": _version("nvidia-cudnn-frontend"),
         "date": datetime.date.today().isoformat(),
     }
+
+
+def write_results(out: Path, doc: object, markdown: str | None = None) -> None:
+    """``doc`` as JSON at ``out`` and, when given, ``markdown`` beside it (same name, ``.md``)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    if markdown is not None:
+        out.with_suffix(".md").write_text(markdown)

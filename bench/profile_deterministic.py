@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_deterministic import ROWS  # noqa: E402
-from common import environment, make_inputs  # noqa: E402
+from common import environment, make_inputs, write_results  # noqa: E402
 
 import dsa_aot  # noqa: E402
 from dsa_aot import settings  # noqa: E402
@@ -141,9 +141,7 @@ def main() -> int:
             records.append(rec)
             print(json.dumps(rec), flush=True)
     doc = {"command": " ".join(["python", *sys.argv]), "environment": env, "records": records}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(doc))
+    write_results(args.out, doc, markdown(doc))
     return 0
 
 

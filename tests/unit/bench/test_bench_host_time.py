@@ -60,3 +60,15 @@ def test_markdown_names_the_command_and_every_segment(host):
     assert text.startswith("# Host time of a backward call, NVIDIA H200, 2026-12-06")
     assert "`python bench/bench_host_time.py --rows 6`" in text
     assert "| 16 | 512 | 512 | fixed_point | 804.7 | start..runner 31.2, launch 1<..launch 2> 116.3 |" in text
+
+
+def test_write_results_puts_the_json_and_its_markdown_side_by_side(tmp_path):
+    common = importlib.util.module_from_spec(spec := importlib.util.spec_from_file_location(
+        "_bench_common", BENCH / "common.py"))
+    spec.loader.exec_module(common)
+    out = tmp_path / "results" / "h200_x.json"
+    common.write_results(out, {"records": [1, 2]}, "# table\n")
+    assert out.read_text() == '{\n "records": [\n  1,\n  2\n ]\n}\n'
+    assert (tmp_path / "results" / "h200_x.md").read_text() == "# table\n"
+    common.write_results(tmp_path / "only.json", [])
+    assert not (tmp_path / "only.md").exists()
