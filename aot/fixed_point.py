@@ -14,9 +14,10 @@ enough that no value (``|v 2^k| < 2^22``) and no sum (``< 2^31``) overflows. It 
 * :data:`SAMPLE_ROWS` query rows spread over the call are launched once only to measure ``e_j``
   (the kernel ``red.max``-es every row's largest ``|v|``; with the scale words at zero the adds
   carry nothing);
-* every group is launched with a guess: ``e_j`` from the sample and the earlier groups (their
-  median for a row not seen yet; the largest scale when the sample saw no row) plus
-  :data:`MARGIN_BITS`, and ``base_j`` for at most one add per query row and head block
+* every group is launched with a guess (the postprocess kernel's guess step,
+  :mod:`dsa_aot.kernels.cutedsl_bwd_fixed_point_post`; :func:`guessed_scale` is its rule):
+  ``e_j`` from the sample and the earlier groups (their median for a row not seen yet; the
+  largest scale when the sample saw no row) plus :data:`MARGIN_BITS`, and ``base_j`` for at most one add per query row and head block
   (distinct indices), so that nothing but the guess has to be ready before the launch. A second
   launch redoes the group with the measured ``e_j`` and the counted adds when a row overflowed
   (its ``e_j`` above the guess, or more adds than the bound) or lost more than
@@ -24,8 +25,12 @@ enough that no value (``|v 2^k| < 2^22``) and no sum (``< 2^31``) overflows. It 
   row, so the second launch is always queued and returns at once when not needed: no host sync
   anywhere, and the call can be captured in a CUDA graph;
 * the words start at zero; the kernel adds two neighbouring words at a time as one exact int64
-  (``n_lo + 2^32 n_hi``), which :func:`integer_sums` splits back into the two words' sums before
-  each group's sums are folded into an fp32 total, ``sum * 2^-k_j``, groups in order.
+  (``n_lo + 2^32 n_hi``), which the postprocess's fold step splits back into the two words' sums
+  (:func:`integer_sums`) before each group's sums are folded into an fp32 total, ``sum *
+  2^-k_j``, groups in order, and the last group's total becomes bf16 dKV.
+
+:func:`post_reference` is the postprocess in torch, bit for bit: the GPU tests hold the kernel
+to it and the CPU tests launch it in the kernel's place.
 
 Every decision depends on the inputs only (maxima are order-free), so the bits do too.
 """
@@ -37,15 +42,14 @@ from collections.abc import Callable
 import torch
 
 from dsa_aot.kernels.dkv_interleave import natural_order
-from dsa_aot.kernels.fixed_point import (CONTROL_SKIP, SINK_ROWS, VALUE_BITS, WORD_COUNT,
-                                         WORD_MAX, WORD_SCALE, row_words)
+from dsa_aot.kernels.fixed_point import (CONTROL_SKIP, FOLD_FIRST, FOLD_LAST, MARGIN_BITS, SINK_ROWS,
+                                         STEP_FOLD, STEP_GUESS, VALUE_BITS, WORD_COUNT, WORD_MAX,
+                                         WORD_SCALE, WORD_SEEN, row_words)
 
 #: Query rows launched once only to measure the rows' magnitudes (the first guesses), and the
 #: query rows of each group.
 SAMPLE_ROWS = 128
 GROUP_ROWS = 4096
-#: Headroom of a guessed exponent over the rows' earlier maxima (16x).
-MARGIN_BITS = 4
 #: A guess this many bits above the measured maximum costs too much precision: redo.
 SLACK_BITS = 12
 #: Biased fp32 exponent ``k + 127`` of a scale ``2^k``, ``k`` in ``[-126, 126]``.
@@ -57,18 +61,11 @@ UNSEEN, NONFINITE = 0, 255
 #: Launches the main kernel over the query rows ``rows`` (a ``range``, its step 1 but for the
 #: sample) with ``dkv_fixed``.
 MainLaunch = Callable[[range, torch.Tensor], None]
-
-
-_NATURAL: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _natural(d_qk: int, dev: torch.device) -> torch.Tensor:
-    """The natural column order of a ``dkv_fixed`` row, on ``dev`` (made once: a copy from the
-    host inside a captured CUDA graph is not allowed)."""
-    key = (d_qk, dev)
-    if key not in _NATURAL:
-        _NATURAL[key] = torch.tensor(natural_order(d_qk), dtype=torch.int64, device=dev)
-    return _NATURAL[key]
+#: Launches the postprocess step ``fixed_step`` (:data:`STEP_GUESS` with the group's bound on a
+#: value's bits as ``fixed_bound``, or a fold) with the arguments of :func:`post_reference`
+#: (``dkv_fixed``, the running total ``dkv_acc``, ``dkv``, ``d_sink_acc``, ``d_sink``).
+PostLaunch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int,
+                       int], None]
 
 
 def sample_rows(s_q: int) -> range:
@@ -125,39 +122,41 @@ def integer_sums(words: torch.Tensor) -> torch.Tensor:
     return words
 
 
-def fixed_point_dkv(launch: MainLaunch, topk_idxs: torch.Tensor, topk_length: torch.Tensor | None,
-                    s_kv: int, d_qk: int, head_blocks: int) -> torch.Tensor:
+def fixed_point_dkv(launch: MainLaunch, post: PostLaunch, dkv: torch.Tensor,
+                    d_sink_acc: torch.Tensor, d_sink: torch.Tensor, s_q: int,
+                    head_blocks: int) -> None:
     """Run the main kernel once over the sample rows, then twice over every group
-    (:func:`launch`) and return dKV as fp32 ``[s_kv, d_qk]`` in natural column order: the
-    groups' fixed-point sums folded in order, NaN rows where a non-finite value was added.
+    (:func:`launch`), each group between the postprocess's guess and fold steps (:func:`post`),
+    whose last fold writes ``dkv`` (``[s_kv, D]``, natural columns, NaN rows where a non-finite
+    value was added) and ``d_sink`` (the preprocess's partials ``d_sink_acc`` added in order).
 
-    Few torch ops, fewest between the sample's launch and the first group's: there the GPU
-    waits for the host. The sample runs with the scale words at zero, so its adds carry nothing
-    (``fma(v, 0, 1.5 2^23)`` is the magic itself): the first group only needs the max and count
-    words cleared (a non-finite sample value's garbage lands in a row that ends NaN)."""
-    dev = topk_idxs.device
-    s_q = topk_idxs.shape[0]
-    fixed = torch.zeros((s_kv + 1 + SINK_ROWS, row_words(d_qk)), dtype=torch.int32, device=dev)
-    scale_word = fixed[:s_kv, d_qk + WORD_SCALE]
-    max_word = fixed[:s_kv, d_qk + WORD_MAX]
-    stats = fixed[:s_kv, d_qk + WORD_MAX:d_qk + WORD_COUNT + 1]
-    if s_q:
-        launch(sample_rows(s_q), fixed)
-    seen = biased_exponent(max_word)
-    total = None
-    for r0, r1 in group_bounds(s_q):
+    Between the sample's launch and the first group's the GPU waits for the host: only the
+    guess step's launch is there. The sample runs with the scale words at zero, so its adds
+    carry nothing (``fma(v, 0, 1.5 2^23)`` is the magic itself); the guess step clears the max
+    and count words it has read. The redo decision after a group's first launch is a few torch
+    ops, queued while the group runs."""
+    s_kv, d_qk = dkv.shape
+    fixed = torch.zeros((s_kv + 1 + SINK_ROWS, row_words(d_qk)), dtype=torch.int32, device=dkv.device)
+    groups = group_bounds(s_q)
+    # the running fp32 total of a call with several groups (else the last fold writes dkv alone)
+    total = torch.empty((s_kv if len(groups) > 1 else 0, d_qk), dtype=torch.float32, device=dkv.device)
+    sinks = (dkv, d_sink_acc, d_sink)
+    if not groups:  # no query row: dkv is the zero sum, d_sink the fold of the partials
+        post(fixed, total, *sinks, STEP_FOLD | FOLD_FIRST | FOLD_LAST, 0)
+        return
+    launch(sample_rows(s_q), fixed)
+    for g, (r0, r1) in enumerate(groups):
         # the guess needs no count: a group adds at most once a query row and head block to a
         # row (distinct indices); the kernel counts the adds, and a group with more is redone
-        bound = min(VALUE_BITS, 31 - ((r1 - r0) * head_blocks).bit_length())
-        scale = guessed_scale(seen, bound)
-        (stats if total is None else fixed).zero_()
-        torch.bitwise_left_shift(scale, 23, out=scale_word)
+        post(fixed, total, *sinks, STEP_GUESS,
+             min(VALUE_BITS, 31 - ((r1 - r0) * head_blocks).bit_length()))
         launch(range(r0, r1), fixed)
         # views made after the launch: each costs host time, which before it the GPU waits for
-        words, adds = fixed[:s_kv, :d_qk], fixed[:s_kv, d_qk + WORD_COUNT]
+        scale_word = fixed[:s_kv, d_qk + WORD_SCALE]
+        adds = fixed[:s_kv, d_qk + WORD_COUNT]
         launched = fixed[:s_kv, :d_qk + WORD_COUNT + 1]  # what a launch adds to: a redo starts afresh
-        measured = biased_exponent(max_word)
-        exact = scale_for(value_bits_bound(adds), measured)
+        scale = scale_word >> 23
+        exact = scale_for(value_bits_bound(adds), biased_exponent(fixed[:s_kv, d_qk + WORD_MAX]))
         off = exact - scale  # < 0: the guess overflowed; > SLACK_BITS: it wasted precision
         redo = ((adds > 0) & ((off < 0) | (off > SLACK_BITS))).any()
         scale = torch.where(redo, exact, scale)
@@ -165,16 +164,45 @@ def fixed_point_dkv(launch: MainLaunch, topk_idxs: torch.Tensor, topk_length: to
         torch.bitwise_left_shift(scale, 23, out=scale_word)
         fixed[s_kv, CONTROL_SKIP].copy_(~redo)
         launch(range(r0, r1), fixed)  # returns at once unless redo
-        inverse = ((254 - scale) << 23).view(torch.float32)[:, None]  # 2^-k: exact, a power of 2
-        part = torch.mul(integer_sums(words), inverse)  # int32 * fp32: the fp32 product
-        total = part if total is None else total.add_(part)
-        seen = torch.maximum(seen, measured)
-    if total is None:  # no query row
-        return torch.zeros((s_kv, d_qk), dtype=torch.float32, device=dev)
-    result = torch.index_select(total, 1, _natural(d_qk, dev))
-    return result.masked_fill_((seen == NONFINITE)[:, None], float("nan"))
+        post(fixed, total, *sinks, STEP_FOLD | (FOLD_FIRST if g == 0 else 0)
+             | (FOLD_LAST if g == len(groups) - 1 else 0), 0)
 
 
-__all__ = ["GROUP_ROWS", "MARGIN_BITS", "NONFINITE", "SAMPLE_ROWS", "SLACK_BITS", "S_MAX", "S_MIN",
-           "UNSEEN", "biased_exponent", "fixed_point_dkv", "group_bounds", "guessed_scale",
-           "integer_sums", "sample_rows", "scale_for", "value_bits_bound"]
+def post_reference(dkv_fixed: torch.Tensor, dkv_acc: torch.Tensor, dkv: torch.Tensor,
+                   d_sink_acc: torch.Tensor, d_sink: torch.Tensor, fixed_step: int,
+                   fixed_bound: int) -> None:
+    """The postprocess's step ``fixed_step`` in torch, with the kernel's arguments and bits
+    (:mod:`dsa_aot.kernels.cutedsl_bwd_fixed_point_post` has the steps)."""
+    s_kv, d_qk = dkv.shape
+    seen_word = dkv_fixed[:s_kv, d_qk + WORD_SEEN]
+    scale_word = dkv_fixed[:s_kv, d_qk + WORD_SCALE]
+    stats = dkv_fixed[:s_kv, d_qk + WORD_MAX:d_qk + WORD_COUNT + 1]
+    measured = biased_exponent(dkv_fixed[:s_kv, d_qk + WORD_MAX])
+    if fixed_step == STEP_GUESS:
+        seen_word.copy_(torch.maximum(seen_word, measured))
+        torch.bitwise_left_shift(guessed_scale(seen_word.clone(), fixed_bound), 23, out=scale_word)
+        stats.zero_()
+        dkv_fixed[s_kv, CONTROL_SKIP] = 0
+        return
+    inverse = ((254 - (scale_word >> 23)) << 23).view(torch.float32)[:, None]  # 2^-k
+    part = integer_sums(dkv_fixed[:s_kv, :d_qk].clone()) * inverse
+    order = torch.tensor(natural_order(d_qk), dtype=torch.int64, device=dkv.device)
+    total = part[:, order] if fixed_step & FOLD_FIRST else dkv_acc + part[:, order]
+    total[measured == NONFINITE] = float("nan")
+    if fixed_step & FOLD_LAST:
+        dkv.copy_(total)
+        folded = torch.zeros_like(d_sink)
+        for partial in d_sink_acc:  # in index order
+            folded = folded + partial
+        d_sink.copy_(folded)
+        return
+    dkv_acc.copy_(total)
+    seen_word.copy_(torch.maximum(seen_word, measured))
+    dkv_fixed[:s_kv, :d_qk].zero_()
+    stats.zero_()
+
+
+__all__ = ["GROUP_ROWS", "MARGIN_BITS", "MainLaunch", "NONFINITE", "PostLaunch", "SAMPLE_ROWS",
+           "SLACK_BITS", "S_MAX", "S_MIN", "UNSEEN", "biased_exponent", "fixed_point_dkv",
+           "group_bounds", "guessed_scale", "integer_sums", "post_reference", "sample_rows", "scale_for",
+           "value_bits_bound"]

@@ -218,8 +218,9 @@ class StagedBwd(BwdKernel):
         """The deterministic mode (CuTe DSL stages): the preprocess once, then either
 
         * (fixed-point kernels) the main kernel over a sample and each group of query rows,
-          adding dKV as exact integers (:func:`~dsa_aot.fixed_point.fixed_point_dkv`), then
-          torch converts the fp32 sums to ``dkv`` and folds the ``d_sink`` partials, or
+          adding dKV as exact integers, the postprocess guessing each group's scales before it
+          and folding its sums after it, the last fold writing ``dkv`` and ``d_sink``
+          (:func:`~dsa_aot.fixed_point.fixed_point_dkv`), or
         * per chunk of query rows the main kernel stores each valid slot's dKV row
           (``dkv_rows``), and the postprocess sums every KV row's stored rows in the order
           :func:`dkv_row_order` gives into ``dkv_acc`` (fp32, the running total) and ``dkv``.
@@ -262,8 +263,13 @@ class StagedBwd(BwdKernel):
                                           part_delta, part_lse, part_dq, None, None, None, None,
                                           None, None, None, fixed))
 
-            dkv.copy_(fixed_point_dkv(run_group, topk_idxs, topk_length, s_kv, d_qk, hb))
-            torch.sum(d_sink_acc, dim=0, out=d_sink)  # the preprocess's partials: a fixed order
+            def run_post(fixed, total, dkv_, d_sink_acc_, d_sink_, step: int, bound: int) -> None:
+                post(*post_names[0]((None, None, None, None, None, None, None, None, None, None,
+                                     None, dkv_, total, d_sink_acc_, d_sink_, None, None, None,
+                                     fixed)),
+                     stream=stream, fixed_step=step, fixed_bound=bound)
+
+            fixed_point_dkv(run_group, run_post, dkv, d_sink_acc, d_sink, s_q, hb)
             return dq, dkv, d_sink
         rows_per_chunk = deterministic_chunk_rows(s_q, topk, hb, d_qk,
                                                   _settings.get().deterministic_workspace)

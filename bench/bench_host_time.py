@@ -59,6 +59,7 @@ class Marks:
     def __init__(self) -> None:
         self.marks: list[tuple[str, int]] = []
         self._launches = 0
+        self._posts = 0
 
     def mark(self, name: str) -> None:
         self.marks.append((name, time.perf_counter_ns()))
@@ -73,13 +74,19 @@ class Marks:
             marks.mark("runner end")
             return result
 
-        def marked_dkv(launch, *args, **kwargs):
+        def marked_dkv(launch, post, *args, **kwargs):
             def marked_launch(rows, fixed):
                 marks._launches += 1
                 marks.mark(f"launch {marks._launches}>")
                 launch(rows, fixed)
                 marks.mark(f"launch {marks._launches}<")
-            return dkv(marked_launch, *args, **kwargs)
+
+            def marked_post(*post_args):
+                marks._posts += 1
+                marks.mark(f"post {marks._posts}>")
+                post(*post_args)
+                marks.mark(f"post {marks._posts}<")
+            return dkv(marked_launch, marked_post, *args, **kwargs)
 
         runners.StagedBwd.__call__ = marked_call
         runners.fixed_point_dkv = marked_dkv
@@ -90,7 +97,7 @@ class Marks:
 
     def run(self, call) -> tuple[float, dict[str, float]]:
         """One call behind a GPU sleep: its host microseconds and its segments."""
-        self.marks, self._launches = [], 0
+        self.marks, self._launches, self._posts = [], 0, 0
         torch.cuda._sleep(SLEEP_CYCLES)
         self.mark("start")
         call()

@@ -17,7 +17,10 @@ row ``j``:
   non-finite values order above every finite one), which tells the runtime whether ``k_j``
   was safe and a non-finite value reached the row;
 * word ``D + WORD_COUNT``: ``c``, the values each word of the row received (one per valid
-  slot and head block).
+  slot and head block);
+* word ``D + WORD_SEEN``: the largest biased exponent of the row's ``|v|`` over the call's
+  earlier launches (0: none yet), kept by the postprocess steps
+  (:mod:`dsa_aot.kernels.cutedsl_bwd_fixed_point_post`) across groups.
 
 Row ``s_kv`` is the control row: word ``CONTROL_SKIP`` nonzero makes every CTA of the launch
 return at once (a conditional re-launch decided on the device, with no host sync). The
@@ -34,6 +37,7 @@ PAD_WORDS = 8
 WORD_SCALE = 1
 WORD_MAX = 2
 WORD_COUNT = 3
+WORD_SEEN = 4
 #: Rows after the control row that invalid slots add to (64 a CTA, CTAs in turn).
 SINK_ROWS = 1024
 #: Word of the control row (row ``s_kv``) whose nonzero value skips the launch.
@@ -46,6 +50,14 @@ MAGIC_BITS = 0x4B400000
 PAIR_MAGIC = MAGIC_BITS * (2 ** 32 + 1)
 #: Largest ``log2`` of one scaled value: ``|v 2^k| < 2^VALUE_BITS``.
 VALUE_BITS = 22
+#: Headroom of a guessed exponent over the rows' earlier maxima (16x).
+MARGIN_BITS = 4
+#: The postprocess's run-time ``fixed_step``: guess a group's scales, or fold its sums
+#: (``STEP_FOLD``, plus ``FOLD_FIRST`` for the call's first group and ``FOLD_LAST`` for its last).
+STEP_GUESS = 0
+STEP_FOLD = 1
+FOLD_FIRST = 2
+FOLD_LAST = 4
 
 
 def row_words(d_qk: int) -> int:
@@ -53,5 +65,6 @@ def row_words(d_qk: int) -> int:
     return d_qk + PAD_WORDS
 
 
-__all__ = ["CONTROL_SKIP", "MAGIC", "MAGIC_BITS", "PAD_WORDS", "PAIR_MAGIC", "SINK_ROWS", "VALUE_BITS",
-           "WORD_COUNT", "WORD_MAX", "WORD_SCALE", "row_words"]
+__all__ = ["CONTROL_SKIP", "FOLD_FIRST", "FOLD_LAST", "MAGIC", "MAGIC_BITS", "MARGIN_BITS", "PAD_WORDS",
+           "PAIR_MAGIC", "SINK_ROWS", "STEP_FOLD", "STEP_GUESS", "VALUE_BITS", "WORD_COUNT",
+           "WORD_MAX", "WORD_SCALE", "WORD_SEEN", "row_words"]

@@ -35,7 +35,8 @@ STAGE_PARAMS: dict[str, frozenset[str]] = {
     "bwd_main": frozenset({"q", "kv", "dout", "topk_idxs", "topk_length", "lse_sink", "delta", "dq",
                            "dkv_acc", "dkv_rows", "dkv_fixed", "softmax_scale", "s_q", "s_kv", "topk"}),
     "bwd_postprocess": frozenset({"dkv_acc", "dkv_rows", "row_order", "row_offsets", "dkv",
-                                  "d_sink_acc", "d_sink", "row_group", "s_kv"}),
+                                  "d_sink_acc", "d_sink", "row_group", "s_kv", "dkv_fixed",
+                                  "fixed_step", "fixed_bound"}),
 }
 
 

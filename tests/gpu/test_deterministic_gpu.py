@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import dsa_aot
-from dsa_aot import fixed_point, settings
+from dsa_aot import fixed_point, runners, settings
 from dsa_aot.kernels.reference import sparse_mla_bwd_ref
 
 from test_sparse_mla_gpu import inputs, poison, rel
@@ -333,3 +333,37 @@ def test_no_host_sync_and_capturable_in_a_cuda_graph(fixed_point_mode):
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(want, captured))
+
+
+@pytest.mark.parametrize("group_rows", [4096, 64])
+def test_the_postprocess_steps_match_their_torch_definition(fixed_point_mode, monkeypatch, group_rows):
+    """Every guess and fold step of real calls (one group, and five with a redo), each launched
+    on the kernel and done by :func:`~dsa_aot.fixed_point.post_reference` on copies of the same
+    arguments: the same bits (NaN payloads aside), and dkv still matches the reference."""
+    monkeypatch.setattr(fixed_point, "GROUP_ROWS", group_rows)
+    original = runners.fixed_point_dkv
+    steps = []
+
+    def checked_dkv(launch, post, *args):
+        def checked_post(*post_args):
+            *tensors, step, bound = post_args
+            mine = [t.clone() for t in tensors]
+            post(*post_args)
+            fixed_point.post_reference(*mine, step, bound)
+            for name, got, want in zip(("dkv_fixed", "dkv_acc", "dkv", "d_sink_acc", "d_sink"),
+                                       tensors, mine):
+                torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True,
+                                           msg=lambda m: f"step {step}, {name}: {m}")
+            steps.append(step)
+        return original(launch, checked_post, *args)
+
+    monkeypatch.setattr(runners, "fixed_point_dkv", checked_dkv)
+    q, kv, idx, length, sink, dout = inputs(300, 2048, 64, 576, 256, layout="compact", seed=5)
+    dout = dout.clone()
+    dout[200:] = (dout[200:].float() * 2.0 ** 10).to(torch.bfloat16)  # a later group is redone
+    out, lse = forward(q, kv, idx, length, sink)
+    grads = det_bwd(q, kv, out, dout, lse, idx, length, sink)
+    torch.cuda.synchronize()
+    check_against_reference(grads, q, kv, out, dout, lse, idx, length, sink)
+    groups = len(fixed_point.group_bounds(300))
+    assert len(steps) == 2 * groups and steps[-1] & fixed_point.FOLD_LAST

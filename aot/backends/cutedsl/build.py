@@ -44,9 +44,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from dsa_aot import settings
 from dsa_aot.backends.cutedsl.records import (
-    BWD_MAIN_HEADS, BWD_MAIN_IMPLS, DETERMINISTIC_BWD_MAIN_IMPLS, FIXED_POINT_IMPLS, bwd_main_default_impl, DSL_RUNTIME_LIB, FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES, RECORD_FILE, WORKER_MODULE, _DSL_STATIC_SHIMS,
+    BWD_MAIN_HEADS, BWD_MAIN_IMPLS, DETERMINISTIC_BWD_MAIN_IMPLS, FIXED_POINT_IMPLS, FIXED_POINT_POST, bwd_main_default_impl, DSL_RUNTIME_LIB, FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES, RECORD_FILE, WORKER_MODULE, _DSL_STATIC_SHIMS,
     Arch, BwdMainImpl, CuteBuildError, CuteExportRecord, CuteKernel, CuteSymbols, FwdImpl, FwdLayout, LinkMode,
-    RuntimeLibRecord, ScalarArgRecord, StreamArgRecord, TensorArgRecord, kernel_entry, sha256_file)
+    RuntimeLibRecord, ScalarArgRecord, StreamArgRecord, TensorArgRecord, kernel_entry, sha256_file,
+    stage_impl)
 from dsa_aot.toolkit import toolkit_root
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ class BuildRequest(BaseModel):
     heads: Literal[16, 32, 64, 128] | None = None
     layout: FwdLayout | None = None
     kv_stages: Literal[1, 2] | None = None
-    impl: FwdImpl | BwdMainImpl | None = None
+    impl: FwdImpl | BwdMainImpl | Literal["fixed_point"] | None = None
     deterministic: bool = Field(False, description="backward stages: the deterministic variant "
                                 "(per-slot dkv rows summed in a fixed order, d_sink partial sums "
                                 "folded in order)")
@@ -119,9 +120,16 @@ class BuildRequest(BaseModel):
                          "wgmma_ws_slot_major": "wgmma_ws"}.get(self.impl, "wgmma")
                 raise ValueError(f"impl={self.impl} supports heads {BWD_MAIN_HEADS[self.impl]}, "
                                  f"not heads={self.heads}; use impl={other} (or leave impl unset)")
+        elif self.impl == FIXED_POINT_POST:
+            if self.kernel != "bwd_postprocess" or not self.deterministic:
+                raise ValueError(f"impl={FIXED_POINT_POST} is the fixed-point deterministic "
+                                 "postprocess: kernel=bwd_postprocess with deterministic=True")
+            if fwd != (None, None, None) or self.kv_stages is not None:
+                raise ValueError("d_qk/heads/layout/kv_stages do not apply to kernel=bwd_postprocess")
         elif fwd != (None, None, None) or self.kv_stages is not None or self.impl is not None:
-            raise ValueError(f"d_qk/heads/layout/kv_stages/impl apply to kernel=fwd only, not "
-                             f"{self.kernel}")
+            raise ValueError(f"d_qk/heads/layout/kv_stages/impl apply to kernel=fwd or bwd_main "
+                             f"(and impl={FIXED_POINT_POST} to a deterministic bwd_postprocess), "
+                             f"not {self.kernel}")
         return self
 
     @property
@@ -146,6 +154,8 @@ class BuildRequest(BaseModel):
                     **det}
         if self.kernel == "bwd_preprocess":
             return {"use_isfinite": self.use_isfinite, **det}
+        if self.impl is not None:  # the fixed-point postprocess
+            return {"impl": self.impl, **det}
         return det
 
 
@@ -194,7 +204,8 @@ def requests_for(spec: "KernelSpec", stages: tuple[str, ...], *, link: LinkMode 
             requests.append(BuildRequest(kernel=stage, arch=spec.arch, link=link, use_isfinite=use_isfinite,
                                          **det))
         else:
-            requests.append(BuildRequest(kernel=stage, arch=spec.arch, link=link, **det))
+            impl = stage_impl(stage, spec.arch, spec.heads, tile.flavour, spec.deterministic)
+            requests.append(BuildRequest(kernel=stage, arch=spec.arch, link=link, impl=impl, **det))
     return requests
 
 
@@ -355,6 +366,8 @@ def _default_name(kernel: str, arch: str, link: str, use_isfinite: bool | None,
         name += f"_d{fwd['d_qk']}_h{fwd['heads']}_{fwd['layout']}"
         if fwd["impl"] != bwd_main_default_impl(arch, int(fwd["heads"]), bool(fwd.get("deterministic"))):
             name += f"_{fwd['impl']}"
+    if kernel == "bwd_postprocess" and fwd is not None and fwd.get("impl"):
+        name += f"_{fwd['impl']}"
     if kernel == "bwd_preprocess":  # the worker fills in what its probe decides when None
         name += "_{isfinite}" if use_isfinite is None else "_isfinite" if use_isfinite else "_infcmp"
     if (fwd or {}).get("deterministic"):

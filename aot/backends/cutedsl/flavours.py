@@ -35,6 +35,8 @@ BWD_MAIN_HEADS: dict[str, tuple[int, ...]] = {"wgmma_slot_major": BWD_SLOT_MAJOR
 #: A spec's key and runtime identity cover exactly the module its build imports (and what that
 #: imports), so every forward flavour is built by its own module: ``compile_fwd`` builds any of
 #: them, and a key rooted there would cover them all.
+#: The postprocess flavour of the fixed-point main flavours: their guess and fold steps.
+FIXED_POINT_POST = "fixed_point"
 KERNELS: dict[str, tuple[str, str]] = {
     "fwd": ("dsa_aot.kernels.cutedsl_fwd", "compile_fwd"),
     "bwd_preprocess": ("dsa_aot.kernels.cutedsl_bwd_preprocess", "compile_bwd_preprocess"),
@@ -55,6 +57,8 @@ FLAVOUR_KERNELS: dict[tuple[str, str], tuple[str, str]] = {
     ("bwd_main", "wgmma_ws_fixed"): ("dsa_aot.kernels.cutedsl_bwd_ws", "compile_bwd_ws"),
     ("bwd_main", "wgmma_ws_slot_major_fixed"): ("dsa_aot.kernels.cutedsl_bwd_ws_slot_major",
                                                 "compile_bwd_ws_slot_major"),
+    ("bwd_postprocess", FIXED_POINT_POST): ("dsa_aot.kernels.cutedsl_bwd_fixed_point_post",
+                                            "compile_bwd_fixed_point_post"),
 }
 #: The forward's MMA flavour per arch when a request names none (wgmma needs sm_90a).
 FWD_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma_split", "sm_100a": "mma"}
@@ -104,11 +108,15 @@ def kernel_entry(stage: str, impl: str | None) -> tuple[str, str]:
 def stage_impl(stage: str, arch: str, heads: int, flavour: str | None,
                deterministic: bool = False) -> str | None:
     """The MMA flavour a stage is built with: the spec's ``tile.flavour`` or the default for
-    its arch and heads (None for stages without flavours)."""
+    its arch and heads (None for stages without flavours); the deterministic postprocess of a
+    fixed-point main flavour is :data:`FIXED_POINT_POST`."""
     if stage == "fwd":
         return flavour or FWD_DEFAULT_IMPL[arch]
     if stage == "bwd_main":
         return flavour or bwd_main_default_impl(arch, heads, deterministic)
+    if stage == "bwd_postprocess" and deterministic and (
+            flavour or bwd_main_default_impl(arch, heads, deterministic)) in FIXED_POINT_IMPLS:
+        return FIXED_POINT_POST
     return None
 
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from dsa_aot.backends.cutedsl.flavours import (  # noqa: F401  (re-exported)
     BWD_MAIN_DEFAULT_IMPL, BWD_MAIN_DEFAULT_IMPL_BY_HEADS, BWD_MAIN_HEADS, BWD_MAIN_IMPLS,
     BWD_SLOT_MAJOR_HEADS, BWD_WS_HEADS, DETERMINISTIC_BWD_MAIN_IMPLS, FIXED_POINT_IMPLS,
-    FLAVOUR_KERNELS,
+    FIXED_POINT_POST, FLAVOUR_KERNELS,
     FWD_DEFAULT_IMPL, FWD_DEFAULT_KV_STAGES, KERNELS, Arch, BwdMainImpl, CuteKernel, FwdImpl, FwdLayout,
     bwd_main_default_impl, kernel_entry, stage_impl)
 from dsa_aot.backends.cutedsl.names import DSL_RUNTIME_LIB, RECORD_FILE, sha256_file  # noqa: F401  (re-exported)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import dsa_aot.runners as runners
+from dsa_aot import fixed_point
 
 BENCH = Path(__file__).resolve().parents[3] / "bench"
 
@@ -35,17 +36,19 @@ def test_segments_and_their_medians(host):
 
 def test_marks_number_each_launch_of_a_fixed_point_call_and_restore_the_runner(host):
     call, dkv = runners.StagedBwd.__call__, runners.fixed_point_dkv
-    idx = torch.randint(0, 6, (20, 4), dtype=torch.int32)
+    out = torch.full((6, 64), float("nan"))
     with host.Marks() as m:
         assert runners.StagedBwd.__call__ is not call and runners.fixed_point_dkv is not dkv
         m.mark("start")
-        out = runners.fixed_point_dkv(lambda rows, fixed: None, idx, None, 6, 64, 1)
+        runners.fixed_point_dkv(lambda rows, fixed: None, fixed_point.post_reference, out,
+                                torch.zeros(2, 3), torch.empty(3), 20, 1)
         m.mark("end")
     assert runners.StagedBwd.__call__ is call and runners.fixed_point_dkv is dkv
-    assert out.shape == (6, 64)
+    assert torch.equal(out, torch.zeros(6, 64))  # nothing added: the folded zero sums
     names = [n for n, _ in m.marks]
-    assert names == ["start", "launch 1>", "launch 1<", "launch 2>", "launch 2<", "launch 3>",
-                     "launch 3<", "end"]  # the sample, the group, its (skipped) re-launch
+    assert names == ["start", "launch 1>", "launch 1<", "post 1>", "post 1<", "launch 2>", "launch 2<",
+                     "launch 3>", "launch 3<", "post 2>", "post 2<", "end"]
+    # the sample, the guess, the group, its (skipped) re-launch, the fold
     times = [t for _, t in m.marks]
     assert times == sorted(times)
 

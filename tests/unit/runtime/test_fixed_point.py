@@ -18,8 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsa_aot import fixed_point as fp
 from dsa_aot.kernels.dkv_interleave import dkv_acc_column
-from dsa_aot.kernels.fixed_point import (CONTROL_SKIP, MAGIC, MAGIC_BITS, PAIR_MAGIC, SINK_ROWS,
-                                         WORD_COUNT, WORD_MAX, WORD_SCALE)
+from dsa_aot.kernels.fixed_point import (CONTROL_SKIP, FOLD_FIRST, FOLD_LAST, MAGIC, MAGIC_BITS,
+                                         PAIR_MAGIC, SINK_ROWS, STEP_FOLD, STEP_GUESS, WORD_COUNT,
+                                         WORD_MAX, WORD_SCALE, WORD_SEEN)
 
 D = 64
 
@@ -92,6 +93,17 @@ def reference(idx, rows, s_kv):
     return ref
 
 
+def run(kernel, s_q: int, s_kv: int, heads: int) -> torch.Tensor:
+    """One call's dKV in fp32 (``dkv`` given as fp32, so the fold's total shows unrounded), the
+    postprocess steps done by their torch definition; ``dkv`` starts as NaN."""
+    dkv = torch.full((s_kv, D), float("nan"))
+    d_sink_acc = torch.randn(3, 2)
+    d_sink = torch.full((2,), float("nan"))
+    fp.fixed_point_dkv(kernel, fp.post_reference, dkv, d_sink_acc, d_sink, s_q, heads)
+    assert torch.equal(d_sink, d_sink_acc[0] + d_sink_acc[1] + d_sink_acc[2])
+    return dkv
+
+
 def redone(kernel: ModelKernel, r0: int) -> bool:
     """Whether the group starting at query row ``r0`` was launched a second time (not skipped)."""
     second = [skipped for a, _, skipped in kernel.log if a == r0][-1]
@@ -108,7 +120,7 @@ def small_groups(monkeypatch):
 @pytest.mark.parametrize("heads", [1, 2])
 def test_sums_match_the_fp64_reference_and_bits_ignore_the_add_order(heads):
     idx, rows = case(s_q=30, s_kv=12, topk=6, heads=heads)
-    out = [fp.fixed_point_dkv(ModelKernel(idx, rows, 12, order_seed=o), idx, None, 12, D, heads)
+    out = [run(ModelKernel(idx, rows, 12, order_seed=o), idx.shape[0], 12, heads)
            for o in range(3)]
     assert all(torch.equal(out[0], o) for o in out[1:])
     ref = reference(idx, rows, 12)
@@ -121,7 +133,7 @@ def test_a_later_group_far_above_the_first_is_redone_and_exact():
     idx, rows = case(s_q=20, s_kv=6, topk=5, heads=1, spread=1.0)
     rows[12:] *= 2.0 ** 12  # the third group's values: 4096x anything seen before
     kernel = ModelKernel(idx, rows, 6)
-    out = fp.fixed_point_dkv(kernel, idx, None, 6, D, 1)
+    out = run(kernel, idx.shape[0], 6, 1)
     ref = reference(idx, rows, 6)
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
     # the sample (rows 0, 5, 10, 15), then groups [0, 8), [8, 16), [16, 20): rows 12.. overflow
@@ -135,9 +147,9 @@ def test_a_later_group_far_below_the_first_is_redone_for_precision():
     idx, rows = case(s_q=20, s_kv=6, topk=5, heads=1, spread=1.0)
     rows[12:] *= 2.0 ** -20
     kernel = ModelKernel(idx, rows, 6)
-    out = fp.fixed_point_dkv(kernel, idx, None, 6, D, 1)
+    out = run(kernel, idx.shape[0], 6, 1)
     part = reference(idx[12:], rows[12:], 6)
-    small = fp.fixed_point_dkv(ModelKernel(idx[12:], rows[12:], 6), idx[12:], None, 6, D, 1)
+    small = run(ModelKernel(idx[12:], rows[12:], 6), idx[12:].shape[0], 6, 1)
     assert redone(kernel, 16)  # all of its rows 2^20 below the guess: redone for precision
     assert float((small.double() - part).norm() / part.norm()) < 1e-5
     assert float((out.double() - reference(idx, rows, 6)).norm()) < 1e-5 * float(
@@ -150,7 +162,7 @@ def test_a_guess_a_few_bits_high_is_kept_and_stays_accurate():
     idx, rows = case(s_q=20, s_kv=6, topk=5, heads=1, spread=1.0)
     rows[12:] *= 2.0 ** -4
     kernel = ModelKernel(idx, rows, 6)
-    out = fp.fixed_point_dkv(kernel, idx, None, 6, D, 1)
+    out = run(kernel, idx.shape[0], 6, 1)
     assert not redone(kernel, 8) and not redone(kernel, 16)
     ref = reference(idx, rows, 6)
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
@@ -161,7 +173,7 @@ def test_compact_lengths_and_padding_add_nothing():
     length = torch.tensor([0, 6, 3, 9, -1, 2, 6, 1, 4, 5], dtype=torch.int32)
     masked = idx.clone()
     masked[torch.arange(6)[None, :] >= length.clamp(0, 6)[:, None]] = -1
-    out = fp.fixed_point_dkv(ModelKernel(masked, rows, 8), idx, length, 8, D, 1)
+    out = run(ModelKernel(masked, rows, 8), idx.shape[0], 8, 1)
     ref = reference(masked, rows, 8)
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
     untouched = torch.ones(8, dtype=torch.bool)
@@ -174,7 +186,7 @@ def test_a_non_finite_value_makes_its_row_nan_only():
     t, s = 5, 1
     idx[t, s] = 3
     rows[t, s, 0, 7] = float("inf")
-    out = fp.fixed_point_dkv(ModelKernel(idx, rows, 8), idx, None, 8, D, 1)
+    out = run(ModelKernel(idx, rows, 8), idx.shape[0], 8, 1)
     assert torch.isnan(out[3]).all()
     others = [j for j in range(8) if j != 3]
     assert not torch.isnan(out[others]).any()
@@ -264,29 +276,98 @@ class OpLog(TorchDispatchMode):
 
 def test_no_host_read_and_few_torch_ops_a_group(monkeypatch):
     """The protocol never brings a device value to the host (``.item()``, a tensor used as an
-    index: a host sync on a GPU, and no CUDA-graph capture), and its torch ops stay few, fewest
-    before the first group's launch: until then the GPU waits for the host."""
+    index: a host sync on a GPU, and no CUDA-graph capture), and its torch ops stay few: none
+    between the sample's launch and the first group's (until then the GPU waits for the host;
+    the guess is the postprocess kernel's), and two before the sample (the workspace)."""
     idx, rows = case(s_q=30, s_kv=12, topk=6, heads=1)
     counts = []
     for group_rows in (64, 8):  # one group, four groups
         monkeypatch.setattr(fp, "GROUP_ROWS", group_rows)
+        sinks = torch.empty(12, D), torch.zeros(3, 2), torch.empty(2)
         with OpLog() as log:
             at = []
-            fp.fixed_point_dkv(lambda rows, fixed: at.append(len(log.ops)), idx, None, 12, D, 1)
+            fp.fixed_point_dkv(lambda rows, fixed: at.append(("main", len(log.ops))),
+                               lambda *args: at.append(("post", len(log.ops))), *sinks, 30, 1)
         assert not [op for op in log.ops if "_local_scalar_dense" in op or "item" in op]
-        assert at[0] <= 1 and at[1] - at[0] <= 12, at  # before the sample, then the first group
+        assert [kind for kind, _ in at[:3]] == ["main", "post", "main"], at
+        assert at[0][1] <= 2 and at[2][1] == at[0][1], at  # the sample, the guess, the group
         counts.append(len(log.ops))
     per_group = (counts[1] - counts[0]) / 3
-    assert counts[0] <= 50 and per_group <= 40, counts
+    assert counts[0] <= 30 and per_group <= 25, counts
 
 
-def test_no_query_row_launches_nothing_and_sums_to_zero():
-    launches = []
-    for length in (None, torch.zeros(0, dtype=torch.int32)):
-        out = fp.fixed_point_dkv(lambda rows, fixed: launches.append(rows),
-                                 torch.zeros((0, 4), dtype=torch.int32), length, 5, D, 2)
-        assert out.shape == (5, D) and torch.equal(out, torch.zeros(5, D))
-    assert launches == []
+def test_no_query_row_launches_no_main_kernel_and_sums_to_zero():
+    steps = []
+    dkv = torch.full((5, D), float("nan"))
+    d_sink_acc, d_sink = torch.randn(2, 3), torch.full((3,), float("nan"))
+
+    def post(*args):
+        steps.append(args[-2])
+        fp.post_reference(*args)
+
+    fp.fixed_point_dkv(lambda rows, fixed: pytest.fail("no query row: nothing to launch"), post,
+                       dkv, d_sink_acc, d_sink, 0, 2)
+    assert steps == [STEP_FOLD | FOLD_FIRST | FOLD_LAST]
+    assert torch.equal(dkv, torch.zeros(5, D)) and torch.equal(d_sink, d_sink_acc[0] + d_sink_acc[1])
+
+
+def fixed_rows(s_kv: int, seed: int = 0) -> torch.Tensor:
+    """A ``dkv_fixed`` with random words, scales, maxima, counts and seen exponents."""
+    g = torch.Generator().manual_seed(seed)
+    fixed = torch.randint(-2**31, 2**31, (s_kv + 1 + SINK_ROWS, D + 8), generator=g, dtype=torch.int32)
+    fixed[:s_kv, D + WORD_SCALE] = torch.randint(100, 160, (s_kv,), generator=g, dtype=torch.int32) << 23
+    fixed[:s_kv, D + WORD_MAX] = torch.randint(0, 140, (s_kv,), generator=g, dtype=torch.int32) << 23
+    fixed[:s_kv, D + WORD_SEEN] = torch.randint(0, 140, (s_kv,), generator=g, dtype=torch.int32)
+    return fixed
+
+
+def test_the_guess_step_merges_what_was_seen_and_clears_the_stats():
+    fixed = fixed_rows(6)
+    fixed[:6, D + WORD_MAX] = torch.tensor([0, 129, 0, 0x7FC00000 >> 23, 121, 0], dtype=torch.int32) << 23
+    fixed[:6, D + WORD_SEEN] = torch.tensor([0, 127, 0, 0, 125, 136], dtype=torch.int32)
+    fixed[6, CONTROL_SKIP] = 1
+    words = fixed[:, :D].clone()
+    sinks = fixed[7:].clone()
+    fp.post_reference(fixed, torch.empty(0, D), torch.empty(6, D), torch.zeros(1, 1), torch.zeros(1),
+                      STEP_GUESS, 20)
+    seen = [0, 129, 0, 255, 125, 136]
+    assert fixed[:6, D + WORD_SEEN].tolist() == seen
+    assert torch.equal(fixed[:6, D + WORD_SCALE], fp.guessed_scale(torch.tensor(seen, dtype=torch.int32), 20) << 23)
+    # unseen rows get the lower median of 125 129 136 255: 129
+    assert (fixed[[0, 2, 5], D + WORD_SCALE] >> 23).tolist() == [20 - fp.MARGIN_BITS + 253 - 129,
+                                                                 20 - fp.MARGIN_BITS + 253 - 129,
+                                                                 20 - fp.MARGIN_BITS + 253 - 136]
+    assert not fixed[:6, D + WORD_MAX:D + WORD_COUNT + 1].any() and int(fixed[6, CONTROL_SKIP]) == 0
+    assert torch.equal(fixed[:6, :D], words[:6]) and torch.equal(fixed[7:], sinks)
+
+
+def test_folds_add_the_groups_in_order_and_keep_a_nan_row():
+    """Three groups folded: the total is each group's integer sums times 2^-k in natural column
+    order, added in group order; a row with a non-finite max in the second group ends NaN; a
+    fold that is not the last clears its words, max and count and keeps the max in the seen
+    word."""
+    s_kv = 4
+    total = torch.empty(s_kv, D)
+    dkv = torch.full((s_kv, D), float("nan"), dtype=torch.bfloat16)
+    d_sink_acc, d_sink = torch.randn(5, 3), torch.empty(3)
+    order = [dkv_acc_column(c) for c in range(D)]
+    want = torch.zeros(s_kv, D, dtype=torch.float64)
+    for g, step in enumerate((FOLD_FIRST, 0, FOLD_LAST)):
+        fixed = fixed_rows(s_kv, seed=g)
+        fixed[:s_kv, :D] = torch.randint(-2**20, 2**20, (s_kv, D), dtype=torch.int32)  # S_hi + borrow: small pairs
+        if g == 1:
+            fixed[2, D + WORD_MAX] = 0x7F800000
+        sums = fp.integer_sums(fixed[:s_kv, :D].clone()).double()
+        want += sums[:, order] * torch.exp2(127.0 - (fixed[:s_kv, D + WORD_SCALE] >> 23).double())[:, None]
+        seen = torch.maximum(fixed[:s_kv, D + WORD_SEEN], fixed[:s_kv, D + WORD_MAX] >> 23)
+        fp.post_reference(fixed, total, dkv, d_sink_acc, d_sink, STEP_FOLD | step, 0)
+        if not step & FOLD_LAST:
+            assert not fixed[:s_kv, :D].any() and not fixed[:s_kv, D + WORD_MAX:D + WORD_COUNT + 1].any()
+            assert torch.equal(fixed[:s_kv, D + WORD_SEEN], seen)
+    assert torch.isnan(dkv[2]).all() and not torch.isnan(dkv[[0, 1, 3]]).any()
+    keep = [0, 1, 3]
+    assert torch.allclose(dkv[keep].double(), want[keep], rtol=2**-8, atol=0)
+    assert torch.equal(d_sink, d_sink_acc[0] + d_sink_acc[1] + d_sink_acc[2] + d_sink_acc[3] + d_sink_acc[4])
 
 
 def test_the_sample_spreads_over_the_call():

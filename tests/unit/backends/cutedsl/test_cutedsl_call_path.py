@@ -299,11 +299,11 @@ def test_bwd_runner_passes_the_stages_names(monkeypatch: pytest.MonkeyPatch) -> 
     assert "d_sink_acc" not in args  # the fast backward has none
 
 
-def test_bwd_runner_fixed_point_path_needs_no_postprocess(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bwd_runner_fixed_point_path_launches_its_postprocess_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """A deterministic call with the fixed-point main kernel: the preprocess once, the main kernel
-    through ``fixed_point_dkv``'s launches, then ``dkv`` is its fp32 result rounded to bf16 (NaN
-    rows kept) and ``d_sink`` the sum of the preprocess's partials; no postprocess launch, no
-    fp32 ``dkv_acc``."""
+    and the fixed-point postprocess through ``fixed_point_dkv``'s launches, the postprocess with
+    ``dkv_fixed``, the running total, ``dkv`` and the ``d_sink`` partials and sum by name and
+    its step and bound as scalars; no fp32 ``dkv_acc`` of the runner's."""
     monkeypatch.setattr(runners, "current_stream", lambda dev: 7)
     s_q, s_kv = 40, 10
     parts = runners.d_sink_parts(s_q)
@@ -317,19 +317,18 @@ def test_bwd_runner_fixed_point_path_needs_no_postprocess(monkeypatch: pytest.Mo
     pre = Pre(["out", "dout", "lse", "attn_sink", "delta", "lse_sink", "d_sink_acc"], [])
     main = _Stage(["q", "kv", "dout", "topk_idxs", "topk_length", "lse_sink", "delta", "dq", "dkv_fixed"],
                   ["softmax_scale"])
-    post = _Stage(["dkv_rows", "row_order", "row_offsets", "dkv_acc", "dkv", "d_sink_acc", "d_sink"],
-                  ["row_group"])
-    sums = torch.randn(s_kv, D, dtype=torch.float32) * 1e3 + 0.1
-    sums[3] = float("nan")
+    post = _Stage(["dkv_fixed", "dkv_acc", "dkv", "d_sink_acc", "d_sink"], ["fixed_step", "fixed_bound"])
     seen = {}
 
-    def fake_fixed_point_dkv(launch, topk_idxs, topk_length, s_kv_, d_qk, head_blocks):
-        seen.update(s_kv=s_kv_, d_qk=d_qk, head_blocks=head_blocks)
-        fixed = torch.zeros(s_kv_ + 1, d_qk + 8, dtype=torch.int32)
+    def fake_fixed_point_dkv(launch, run_post, dkv_, d_sink_acc_, d_sink_, s_q_, head_blocks):
+        seen.update(s_q=s_q_, head_blocks=head_blocks, dkv=dkv_, d_sink=d_sink_)
+        fixed, total = torch.zeros(s_kv + 1, D + 8, dtype=torch.int32), torch.empty(0, D)
         launch(range(0, s_q, 8), fixed)  # a stepped sample
+        run_post(fixed, total, dkv_, d_sink_acc_, d_sink_, 0, 19)
         launch(range(0, s_q), fixed)  # the whole call: the caller's tensors themselves
         launch(range(8, 24), fixed)  # a group of a larger call: slices
-        return sums.clone()
+        run_post(fixed, total, dkv_, d_sink_acc_, d_sink_, 7, 0)
+        seen.update(fixed=fixed, total=total)
 
     monkeypatch.setattr(runners, "fixed_point_dkv", fake_fixed_point_dkv)
     spec = KernelSpec.from_id("bwd-sm_90a-d576-h64-compact-cutedsl-det")
@@ -337,11 +336,13 @@ def test_bwd_runner_fixed_point_path_needs_no_postprocess(monkeypatch: pytest.Mo
     out, dout, lse = torch.randn(s_q, H, DV), torch.randn(s_q, H, DV), torch.randn(s_q, H)
     idx, length, sink = torch.zeros(s_q, 5, dtype=torch.int32), torch.arange(s_q, dtype=torch.int32), torch.randn(H)
     dq, dkv, d_sink = runners.StagedBwd(pre, main, post, spec)(q, kv, out, dout, lse, idx, length, sink, 0.5)
-    assert post.calls == [] and len(pre.calls) == 1 and seen == {"s_kv": s_kv, "d_qk": D, "head_blocks": 1}
-    assert dkv.dtype == torch.bfloat16
-    assert torch.isnan(dkv[3]).all() and torch.equal(dkv[torch.arange(s_kv) != 3],
-                                                     sums[torch.arange(s_kv) != 3].to(torch.bfloat16))
-    assert torch.equal(d_sink, partials.sum(0))
+    assert len(pre.calls) == 1 and seen["s_q"] == s_q and seen["head_blocks"] == 1
+    assert seen["dkv"] is dkv and seen["d_sink"] is d_sink and dkv.dtype == torch.bfloat16
+    (guess_t, guess_kw), (fold_t, fold_kw) = post.calls
+    assert guess_t[0] is seen["fixed"] and guess_t[1] is seen["total"] and guess_t[2] is dkv
+    assert torch.equal(guess_t[3], partials) and guess_t[4] is d_sink
+    assert guess_kw == {"stream": 7, "fixed_step": 0, "fixed_bound": 19}
+    assert fold_kw == {"stream": 7, "fixed_step": 7, "fixed_bound": 0}
     (sample_t, sample_kw), (whole_t, _), (group_t, _) = main.calls
     assert sample_kw == {"stream": 7, "softmax_scale": 0.5}
     assert torch.equal(sample_t[0], q[::8]) and torch.equal(sample_t[4], length[::8])

@@ -261,8 +261,13 @@ def test_fixed_point_mode_asks_for_the_fixed_flavours(empty_loader):
 
 def test_fixed_point_flavours_build_requests():
     spec = KernelSpec(**{**KernelSpec.from_id(DET).model_dump(), "tile": {"flavour": "wgmma_ws_fixed"}})
-    main = requests_for(spec, ("bwd_main",))[0]
+    main, post = requests_for(spec, ("bwd_main", "bwd_postprocess"))
     assert main.compile_params["impl"] == "wgmma_ws_fixed" and main.deterministic
+    assert post.compile_params == {"impl": "fixed_point", "deterministic": True}
+    stored_rows = requests_for(KernelSpec.from_id(DET), ("bwd_postprocess",))[0]
+    assert stored_rows.compile_params == {"deterministic": True}  # the stored rows' reduction
+    with pytest.raises(ValidationError, match="deterministic bwd_postprocess|deterministic=True"):
+        BuildRequest(kernel="bwd_postprocess", arch="sm_90a", impl="fixed_point")
     with pytest.raises(ValidationError, match="needs deterministic=True"):
         BuildRequest(kernel="bwd_main", arch="sm_90a", d_qk=576, heads=64, layout="compact",
                      impl="wgmma_ws_fixed")
@@ -286,4 +291,11 @@ def test_fixed_point_build_records_its_abi_and_spills_nothing(tmp_path, flavour,
     tensors = {a.name: (a.dtype, len(a.shape)) for a in main.args if a.kind == "tensor"}
     assert tensors["dkv_fixed"] == ("int32", 2)
     assert "dkv_rows" not in tensors and "dkv_acc" not in tensors
+    post = records["bwd_postprocess"]  # the fixed-point postprocess: the guess and fold steps
+    assert post.name.endswith("_fixed_point_det_static")
+    assert [a.name for a in post.args if a.kind == "tensor"] == ["dkv_fixed", "dkv_acc", "dkv",
+                                                                "d_sink_acc", "d_sink"]
+    assert [(a.name, a.dtype) for a in post.args if a.kind == "scalar"] == [("fixed_step", "int32"),
+                                                                          ("fixed_bound", "int32")]
     assert_spill_free(tmp_path.rglob("bwd_main.so"))  # the linked library embeds the cubin
+    assert_spill_free(tmp_path.rglob("bwd_postprocess.so"))
