@@ -43,15 +43,13 @@ import torch
 
 from dsa_aot.kernels.dkv_interleave import natural_order
 from dsa_aot.kernels.fixed_point import (CONTROL_SKIP, FOLD_FIRST, FOLD_LAST, MARGIN_BITS, SINK_ROWS,
-                                         STEP_FOLD, STEP_GUESS, VALUE_BITS, WORD_COUNT, WORD_MAX,
-                                         WORD_SCALE, WORD_SEEN, row_words)
+                                         SLACK_BITS, STEP_CHECK, STEP_FOLD, STEP_GUESS, VALUE_BITS,
+                                         WORD_COUNT, WORD_MAX, WORD_SCALE, WORD_SEEN, row_words)
 
 #: Query rows launched once only to measure the rows' magnitudes (the first guesses), and the
 #: query rows of each group.
 SAMPLE_ROWS = 128
 GROUP_ROWS = 4096
-#: A guess this many bits above the measured maximum costs too much precision: redo.
-SLACK_BITS = 12
 #: Biased fp32 exponent ``k + 127`` of a scale ``2^k``, ``k`` in ``[-126, 126]``.
 S_MIN, S_MAX = 1, 253
 #: Biased exponent ``E`` of a row's largest ``|v|`` (:func:`biased_exponent`) that no value (or
@@ -151,18 +149,7 @@ def fixed_point_dkv(launch: MainLaunch, post: PostLaunch, dkv: torch.Tensor,
         post(fixed, total, *sinks, STEP_GUESS,
              min(VALUE_BITS, 31 - ((r1 - r0) * head_blocks).bit_length()))
         launch(range(r0, r1), fixed)
-        # views made after the launch: each costs host time, which before it the GPU waits for
-        scale_word = fixed[:s_kv, d_qk + WORD_SCALE]
-        adds = fixed[:s_kv, d_qk + WORD_COUNT]
-        launched = fixed[:s_kv, :d_qk + WORD_COUNT + 1]  # what a launch adds to: a redo starts afresh
-        scale = scale_word >> 23
-        exact = scale_for(value_bits_bound(adds), biased_exponent(fixed[:s_kv, d_qk + WORD_MAX]))
-        off = exact - scale  # < 0: the guess overflowed; > SLACK_BITS: it wasted precision
-        redo = ((adds > 0) & ((off < 0) | (off > SLACK_BITS))).any()
-        scale = torch.where(redo, exact, scale)
-        launched.masked_fill_(redo, 0)
-        torch.bitwise_left_shift(scale, 23, out=scale_word)
-        fixed[s_kv, CONTROL_SKIP].copy_(~redo)
+        post(fixed, total, *sinks, STEP_CHECK, 0)  # the scales checked: redo or skip
         launch(range(r0, r1), fixed)  # returns at once unless redo
         post(fixed, total, *sinks, STEP_FOLD | (FOLD_FIRST if g == 0 else 0)
              | (FOLD_LAST if g == len(groups) - 1 else 0), 0)
@@ -178,6 +165,17 @@ def post_reference(dkv_fixed: torch.Tensor, dkv_acc: torch.Tensor, dkv: torch.Te
     scale_word = dkv_fixed[:s_kv, d_qk + WORD_SCALE]
     stats = dkv_fixed[:s_kv, d_qk + WORD_MAX:d_qk + WORD_COUNT + 1]
     measured = biased_exponent(dkv_fixed[:s_kv, d_qk + WORD_MAX])
+    if fixed_step == STEP_CHECK:
+        adds = dkv_fixed[:s_kv, d_qk + WORD_COUNT]
+        scale = scale_word >> 23
+        exact = scale_for(value_bits_bound(adds), measured)
+        off = exact - scale  # < 0: the guess overflowed; > SLACK_BITS: it wasted precision
+        redo = bool(((adds > 0) & ((off < 0) | (off > SLACK_BITS))).any())
+        if redo:  # what a launch adds to starts afresh, with the measured scales
+            dkv_fixed[:s_kv, :d_qk + WORD_COUNT + 1] = 0
+            torch.bitwise_left_shift(exact, 23, out=scale_word)
+        dkv_fixed[s_kv, CONTROL_SKIP] = 0 if redo else 1
+        return
     if fixed_step == STEP_GUESS:
         seen_word.copy_(torch.maximum(seen_word, measured))
         torch.bitwise_left_shift(guessed_scale(seen_word.clone(), fixed_bound), 23, out=scale_word)

@@ -5,11 +5,12 @@
 
 A call's GPU time is its host time wherever the GPU finishes a kernel before the host has queued
 the next one: the fixed-point deterministic mode's measuring launch takes 0.06-0.3 ms on the GPU,
-and the torch ops that guess the first group's scales from it have to be queued before the
-group's launch. This measures the queueing alone: ahead of every call a ``torch.cuda._sleep``
-keeps the GPU busy for longer than the call's host work, and the host clock is read at the
-call's start, at the runner's entry and exit, before and after each main-kernel launch of the
-fixed-point mode (1: the sample, then per group its launch and its re-launch) and at the end.
+and whatever guesses the first group's scales from it has to be queued before the group's
+launch. This measures the queueing alone: ahead of every call a ``torch.cuda._sleep`` keeps the
+GPU busy for longer than the call's host work, and the host clock is read at the call's start,
+at the runner's entry and exit, before and after each main-kernel launch of the fixed-point mode
+(1: the sample, then per group its launch and its re-launch) and each launch of its postprocess
+(per group: the guess, the check, the fold) and at the end.
 Per row of :data:`bench_deterministic.ROWS` (``--rows`` picks some) and mode (fast,
 ``fixed_point``, ``stored_rows``): the median over ``--reps`` calls of the call's host time and of
 each segment between two marks, in microseconds. Writes JSON and a Markdown table (same name,
@@ -113,7 +114,8 @@ def markdown(doc: dict) -> str:
              f"nvidia-cutlass-dsl {env['nvidia-cutlass-dsl']}. The GPU sleeps ahead of every call, so "
              "these are the host's microseconds to queue it (median of the calls); `launch n>` / "
              "`launch n<`: before and after the fixed-point mode's n-th main-kernel launch (1: the "
-             "sample, 2 and 3: the first group and its re-launch).", "",
+             "sample, 2 and 3: the first group and its re-launch); `post n>` / `post n<`: its n-th "
+             "postprocess launch (1-3: the first group's guess, check and fold).", "",
              "| H | D_qk | K | mode | host us | segments (us) |", "|---|---|---|---|---|---|"]
     for r in doc["records"]:
         segs = ", ".join(f"{k} {v}" for k, v in r["segments_us"].items())

@@ -2,7 +2,7 @@
 of the main kernel that the runtime would otherwise do with torch ops (``dkv_fixed``'s layout:
 :mod:`dsa_aot.kernels.fixed_point`; the schedule: :mod:`dsa_aot.fixed_point`).
 
-One exported function, two kernels, picked by the run-time scalar ``fixed_step``:
+One exported function, three kernels, picked by the run-time scalar ``fixed_step``:
 
 * :data:`STEP_GUESS` (one CTA): the first scales of a group. Each KV row's seen exponent (word
   ``D +`` :data:`~dsa_aot.kernels.fixed_point.WORD_SEEN`) becomes the larger of itself and the
@@ -12,6 +12,11 @@ One exported function, two kernels, picked by the run-time scalar ``fixed_step``
   row's seen exponent, else the median (0 when no row was seen: the largest scale). The max and
   count words and the control row's skip word are cleared. Between the measuring launch and a
   group's launch the GPU would otherwise wait for a dozen host-side torch ops.
+* :data:`STEP_CHECK` (one CTA), after a group's first launch: from each row's count and max,
+  the scale that fits it exactly (:func:`exact_scale`); the group is redone when a row that was
+  added to overflowed its guess or lost more than ``SLACK_BITS`` bits to it: then every row
+  gets its exact scale and its words, max and count are cleared; the control row's skip word
+  tells the re-launch whether to run. A dozen more torch ops, and their host time, saved.
 * :data:`STEP_FOLD` (one thread per 8 columns of a KV row): a group's integer sums, times
   ``2^-k``, folded into the fp32 total: with :data:`FOLD_FIRST` the total is the group's sums,
   else ``dkv_acc + sums``; with :data:`FOLD_LAST` it is written as bf16 to ``dkv`` in natural
@@ -35,8 +40,8 @@ from cutlass import BFloat16, Float32, Int32
 from dsa_aot.kernels.cutedsl_bwd_postprocess import interleaved_start
 from dsa_aot.kernels.cutedsl_fixed_point import as_f32
 from dsa_aot.kernels.fixed_point import (CONTROL_SKIP, FOLD_FIRST, FOLD_LAST, MARGIN_BITS,
-                                         STEP_FOLD, STEP_GUESS, WORD_COUNT, WORD_MAX, WORD_SCALE,
-                                         WORD_SEEN)
+                                         SLACK_BITS, STEP_CHECK, STEP_FOLD, STEP_GUESS, VALUE_BITS,
+                                         WORD_COUNT, WORD_MAX, WORD_SCALE, WORD_SEEN)
 
 #: Columns folded by one thread, and the threads of a fold CTA.
 VEC = 8
@@ -44,6 +49,15 @@ THREADS = 256
 #: Threads of the guessing CTA, and the bins of its histogram (one per biased exponent).
 GUESS_THREADS = 1024
 BINS = 256
+
+
+@cute.jit
+def exact_scale(adds: Int32, e: Int32) -> Int32:
+    """``k + 127`` of the scale that keeps ``adds`` values below ``2^e``'s row within int32:
+    ``clamp(min(22, 31 - bit_length(adds)) + 253 - e, 1, 253)`` (``adds`` 0 counts as 1)."""
+    length = 32 - Int32(cute.arch.clz(cutlass.max(adds, Int32(1))))
+    base = cutlass.min(31 - length, Int32(VALUE_BITS))
+    return cutlass.min(cutlass.max(base + 253 - e, Int32(1)), Int32(253))
 
 
 class FixedPointPost:
@@ -57,6 +71,9 @@ class FixedPointPost:
         col_vecs = cute.size(dkv, mode=[1]) // VEC
         if fixed_step == STEP_GUESS:
             self.guess(dkv_fixed, s_kv, cute.size(dkv, mode=[1]), fixed_bound).launch(
+                grid=[1, 1, 1], block=[GUESS_THREADS, 1, 1], stream=stream)
+        elif fixed_step == STEP_CHECK:
+            self.check(dkv_fixed, s_kv, cute.size(dkv, mode=[1])).launch(
                 grid=[1, 1, 1], block=[GUESS_THREADS, 1, 1], stream=stream)
         else:
             items = cutlass.max(s_kv * col_vecs, Int32(1))  # one CTA at least: d_sink
@@ -105,6 +122,42 @@ class FixedPointPost:
             row[d + WORD_SCALE] = scale << 23
             row[d + WORD_MAX] = Int32(0)
             row[d + WORD_COUNT] = Int32(0)
+
+    @cute.kernel
+    def check(self, dkv_fixed: cute.Tensor, s_kv: Int32, d: Int32) -> None:
+        tidx, _, _ = cute.arch.thread_idx()
+        smem = cutlass.utils.SmemAllocator()
+        flag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=16)
+        if tidx == 0:
+            flag[0] = Int32(0)
+        cute.arch.barrier()
+        bad = Int32(0)
+        for j in cutlass.range(tidx, s_kv, GUESS_THREADS, unroll=1):
+            row = dkv_fixed[j, None]
+            adds = row[d + WORD_COUNT]
+            off = exact_scale(adds, row[d + WORD_MAX] >> 23) - (row[d + WORD_SCALE] >> 23)
+            if adds > 0:
+                bad = bad | cutlass.select_(off < 0, Int32(1), Int32(0)) \
+                    | cutlass.select_(off > SLACK_BITS, Int32(1), Int32(0))
+        if bad != 0:
+            flag[0] = Int32(1)
+        cute.arch.barrier()
+        redo = flag[0]
+        if redo != 0:  # what a launch adds to starts afresh, with the measured scales
+            for j in cutlass.range(tidx, s_kv, GUESS_THREADS, unroll=1):
+                row = dkv_fixed[j, None]
+                row[d + WORD_SCALE] = exact_scale(row[d + WORD_COUNT], row[d + WORD_MAX] >> 23) << 23
+                row[d] = Int32(0)
+                row[d + WORD_MAX] = Int32(0)
+                row[d + WORD_COUNT] = Int32(0)
+            quads = d // 4
+            zeros = cute.make_rmem_tensor(4, Int32)
+            zeros.fill(0)
+            for item in cutlass.range(tidx, s_kv * quads, GUESS_THREADS, unroll=1):
+                j = item // quads
+                cute.local_tile(dkv_fixed[j, None], (4,), (item - j * quads,)).store(zeros.load())
+        if tidx == 0:
+            dkv_fixed[s_kv, CONTROL_SKIP] = 1 - redo
 
     @cute.kernel
     def fold(self, dkv_fixed: cute.Tensor, dkv_acc: cute.Tensor, dkv: cute.Tensor,

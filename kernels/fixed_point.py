@@ -52,12 +52,16 @@ PAIR_MAGIC = MAGIC_BITS * (2 ** 32 + 1)
 VALUE_BITS = 22
 #: Headroom of a guessed exponent over the rows' earlier maxima (16x).
 MARGIN_BITS = 4
-#: The postprocess's run-time ``fixed_step``: guess a group's scales, or fold its sums
-#: (``STEP_FOLD``, plus ``FOLD_FIRST`` for the call's first group and ``FOLD_LAST`` for its last).
+#: A guess this many bits above the measured maximum costs too much precision: redo.
+SLACK_BITS = 12
+#: The postprocess's run-time ``fixed_step``: guess a group's scales, check them after the
+#: group's first launch (and decide its re-launch), or fold its sums (``STEP_FOLD``, plus
+#: ``FOLD_FIRST`` for the call's first group and ``FOLD_LAST`` for its last).
 STEP_GUESS = 0
 STEP_FOLD = 1
 FOLD_FIRST = 2
 FOLD_LAST = 4
+STEP_CHECK = 8
 
 
 def row_words(d_qk: int) -> int:
@@ -66,5 +70,5 @@ def row_words(d_qk: int) -> int:
 
 
 __all__ = ["CONTROL_SKIP", "FOLD_FIRST", "FOLD_LAST", "MAGIC", "MAGIC_BITS", "MARGIN_BITS", "PAD_WORDS",
-           "PAIR_MAGIC", "SINK_ROWS", "STEP_FOLD", "STEP_GUESS", "VALUE_BITS", "WORD_COUNT",
+           "PAIR_MAGIC", "SINK_ROWS", "SLACK_BITS", "STEP_CHECK", "STEP_FOLD", "STEP_GUESS", "VALUE_BITS", "WORD_COUNT",
            "WORD_MAX", "WORD_SCALE", "WORD_SEEN", "row_words"]

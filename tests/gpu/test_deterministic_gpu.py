@@ -337,7 +337,7 @@ def test_no_host_sync_and_capturable_in_a_cuda_graph(fixed_point_mode):
 
 @pytest.mark.parametrize("group_rows", [4096, 64])
 def test_the_postprocess_steps_match_their_torch_definition(fixed_point_mode, monkeypatch, group_rows):
-    """Every guess and fold step of real calls (one group, and five with a redo), each launched
+    """Every guess, check and fold step of real calls (one group, and five with a redo), each launched
     on the kernel and done by :func:`~dsa_aot.fixed_point.post_reference` on copies of the same
     arguments: the same bits (NaN payloads aside), and dkv still matches the reference."""
     monkeypatch.setattr(fixed_point, "GROUP_ROWS", group_rows)
@@ -366,4 +366,4 @@ def test_the_postprocess_steps_match_their_torch_definition(fixed_point_mode, mo
     torch.cuda.synchronize()
     check_against_reference(grads, q, kv, out, dout, lse, idx, length, sink)
     groups = len(fixed_point.group_bounds(300))
-    assert len(steps) == 2 * groups and steps[-1] & fixed_point.FOLD_LAST
+    assert len(steps) == 3 * groups and steps[-1] & fixed_point.FOLD_LAST

@@ -47,8 +47,8 @@ def test_marks_number_each_launch_of_a_fixed_point_call_and_restore_the_runner(h
     assert torch.equal(out, torch.zeros(6, 64))  # nothing added: the folded zero sums
     names = [n for n, _ in m.marks]
     assert names == ["start", "launch 1>", "launch 1<", "post 1>", "post 1<", "launch 2>", "launch 2<",
-                     "launch 3>", "launch 3<", "post 2>", "post 2<", "end"]
-    # the sample, the guess, the group, its (skipped) re-launch, the fold
+                     "post 2>", "post 2<", "launch 3>", "launch 3<", "post 3>", "post 3<", "end"]
+    # the sample, the guess, the group, the check, its (skipped) re-launch, the fold
     times = [t for _, t in m.marks]
     assert times == sorted(times)
 

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dsa_aot import fixed_point as fp
 from dsa_aot.kernels.dkv_interleave import dkv_acc_column
 from dsa_aot.kernels.fixed_point import (CONTROL_SKIP, FOLD_FIRST, FOLD_LAST, MAGIC, MAGIC_BITS,
-                                         PAIR_MAGIC, SINK_ROWS, STEP_FOLD, STEP_GUESS, WORD_COUNT,
+                                         PAIR_MAGIC, SINK_ROWS, STEP_CHECK, STEP_FOLD, STEP_GUESS, WORD_COUNT,
                                          WORD_MAX, WORD_SCALE, WORD_SEEN)
 
 D = 64
@@ -275,10 +275,10 @@ class OpLog(TorchDispatchMode):
 
 
 def test_no_host_read_and_few_torch_ops_a_group(monkeypatch):
-    """The protocol never brings a device value to the host (``.item()``, a tensor used as an
-    index: a host sync on a GPU, and no CUDA-graph capture), and its torch ops stay few: none
-    between the sample's launch and the first group's (until then the GPU waits for the host;
-    the guess is the postprocess kernel's), and two before the sample (the workspace)."""
+    """The protocol is launches only (the sample, then per group the guess, the group, the
+    check, the re-launch and the fold) after allocating its workspace: no torch op between them
+    (before the first group's launch the GPU waits for the host) and no device value brought to
+    the host (``.item()``: a host sync on a GPU, and no CUDA-graph capture)."""
     idx, rows = case(s_q=30, s_kv=12, topk=6, heads=1)
     counts = []
     for group_rows in (64, 8):  # one group, four groups
@@ -289,11 +289,10 @@ def test_no_host_read_and_few_torch_ops_a_group(monkeypatch):
             fp.fixed_point_dkv(lambda rows, fixed: at.append(("main", len(log.ops))),
                                lambda *args: at.append(("post", len(log.ops))), *sinks, 30, 1)
         assert not [op for op in log.ops if "_local_scalar_dense" in op or "item" in op]
-        assert [kind for kind, _ in at[:3]] == ["main", "post", "main"], at
-        assert at[0][1] <= 2 and at[2][1] == at[0][1], at  # the sample, the guess, the group
+        assert [kind for kind, _ in at[:6]] == ["main", "post", "main", "post", "main", "post"], at
+        assert at[0][1] == 2 and at[-1][1] == 2, at  # the workspace, then launches only
         counts.append(len(log.ops))
-    per_group = (counts[1] - counts[0]) / 3
-    assert counts[0] <= 30 and per_group <= 25, counts
+    assert counts == [2, 2], counts  # the int32 words and the running fp32 total
 
 
 def test_no_query_row_launches_no_main_kernel_and_sums_to_zero():
@@ -339,6 +338,39 @@ def test_the_guess_step_merges_what_was_seen_and_clears_the_stats():
                                                                  20 - fp.MARGIN_BITS + 253 - 136]
     assert not fixed[:6, D + WORD_MAX:D + WORD_COUNT + 1].any() and int(fixed[6, CONTROL_SKIP]) == 0
     assert torch.equal(fixed[:6, :D], words[:6]) and torch.equal(fixed[7:], sinks)
+
+
+def test_the_check_step_keeps_a_fitting_guess_and_redoes_a_wrong_one():
+    """After a group's first launch: guesses that fit (within the slack above the measured
+    max) set the skip word and change nothing; one row's overflow (or, alone, a row's guess far
+    too high) makes every row take its exact scale, with its words, max and count cleared."""
+    def fixed_with(offsets):  # the guess this many bits above each row's exact scale
+        fixed = fixed_rows(4)
+        adds = torch.tensor([5, 1, 300, 0], dtype=torch.int32)
+        fixed[:4, D + WORD_COUNT] = adds
+        e = fixed[:4, D + WORD_MAX] >> 23
+        exact = fp.scale_for(fp.value_bits_bound(adds), e)
+        fixed[:4, D + WORD_SCALE] = (exact + torch.tensor(offsets, dtype=torch.int32)) << 23
+        return fixed, exact
+
+    def check(fixed):
+        fp.post_reference(fixed, torch.empty(0, D), torch.empty(4, D), torch.zeros(1, 1),
+                          torch.zeros(1), STEP_CHECK, 0)
+
+    fixed, _ = fixed_with([0, -fp.SLACK_BITS, -3, 40])  # row 3 has no add: its guess is free
+    kept = fixed.clone()
+    check(fixed)
+    assert int(fixed[4, CONTROL_SKIP]) == 1
+    fixed[4, CONTROL_SKIP] = kept[4, CONTROL_SKIP]
+    assert torch.equal(fixed, kept)
+    for offsets in ([0, 1, 0, 0], [0, 0, -fp.SLACK_BITS - 1, 0]):  # an overflow; a wasted guess
+        fixed, exact = fixed_with(offsets)
+        seen, sinks = fixed[:4, D + WORD_SEEN].clone(), fixed[5:].clone()
+        check(fixed)
+        assert int(fixed[4, CONTROL_SKIP]) == 0
+        assert torch.equal(fixed[:4, D + WORD_SCALE] >> 23, exact)
+        assert not fixed[:4, :D + 1].any() and not fixed[:4, D + WORD_MAX:D + WORD_COUNT + 1].any()
+        assert torch.equal(fixed[:4, D + WORD_SEEN], seen) and torch.equal(fixed[5:], sinks)
 
 
 def test_folds_add_the_groups_in_order_and_keep_a_nan_row():
