@@ -12,8 +12,7 @@ enough that no value (``|v 2^k| < 2^22``) and no sum (``< 2^31``) overflows. It 
   bit_length(adds_j))`` bounds one value so that ``adds_j`` of them cannot overflow;
 * with ``e_j`` the exponent of the row's largest ``|v|`` (``|v| < 2^e_j``), ``k_j = base_j - e_j``;
 * :data:`SAMPLE_ROWS` query rows spread over the call are launched once only to measure ``e_j``
-  (the kernel ``red.max``-es every row's largest ``|v|``; with the scale words at zero the adds
-  carry nothing);
+  (the kernel ``red.max``-es every row's largest ``|v|`` and adds nothing);
 * every group is launched with a guess (the postprocess kernel's guess step,
   :mod:`dsa_aot.kernels.cutedsl_bwd_fixed_point_post`; :func:`guessed_scale` is its rule):
   ``e_j`` from the sample and the earlier groups (their median for a row not seen yet; the
@@ -57,8 +56,9 @@ S_MIN, S_MAX = 1, 253
 UNSEEN, NONFINITE = 0, 255
 
 #: Launches the main kernel over the query rows ``rows`` (a ``range``, its step 1 but for the
-#: sample) with ``dkv_fixed``.
-MainLaunch = Callable[[range, torch.Tensor], None]
+#: sample) with ``dkv_fixed``; ``measure``: the sample's launch, which adds nothing and only
+#: measures the KV rows' largest values.
+MainLaunch = Callable[[range, torch.Tensor, bool], None]
 #: Launches the postprocess step ``fixed_step`` (:data:`STEP_GUESS` with the group's bound on a
 #: value's bits as ``fixed_bound``, or a fold) with the arguments of :func:`post_reference`
 #: (``dkv_fixed``, the running total ``dkv_acc``, ``dkv``, ``d_sink_acc``, ``d_sink``).
@@ -128,11 +128,10 @@ def fixed_point_dkv(launch: MainLaunch, post: PostLaunch, dkv: torch.Tensor,
     whose last fold writes ``dkv`` (``[s_kv, D]``, natural columns, NaN rows where a non-finite
     value was added) and ``d_sink`` (the preprocess's partials ``d_sink_acc`` added in order).
 
-    Between the sample's launch and the first group's the GPU waits for the host: only the
-    guess step's launch is there. The sample runs with the scale words at zero, so its adds
-    carry nothing (``fma(v, 0, 1.5 2^23)`` is the magic itself); the guess step clears the max
-    and count words it has read. The redo decision after a group's first launch is a few torch
-    ops, queued while the group runs."""
+    After the workspace, launches only: between the sample's launch and the first group's the
+    GPU waits for the host, and the re-launch decision (the check step) stays on the GPU. The
+    sample only measures (it adds nothing; the guess step clears the max and count words it has
+    read)."""
     s_kv, d_qk = dkv.shape
     fixed = torch.zeros((s_kv + 1 + SINK_ROWS, row_words(d_qk)), dtype=torch.int32, device=dkv.device)
     groups = group_bounds(s_q)
@@ -142,15 +141,15 @@ def fixed_point_dkv(launch: MainLaunch, post: PostLaunch, dkv: torch.Tensor,
     if not groups:  # no query row: dkv is the zero sum, d_sink the fold of the partials
         post(fixed, total, *sinks, STEP_FOLD | FOLD_FIRST | FOLD_LAST, 0)
         return
-    launch(sample_rows(s_q), fixed)
+    launch(sample_rows(s_q), fixed, True)
     for g, (r0, r1) in enumerate(groups):
         # the guess needs no count: a group adds at most once a query row and head block to a
         # row (distinct indices); the kernel counts the adds, and a group with more is redone
         post(fixed, total, *sinks, STEP_GUESS,
              min(VALUE_BITS, 31 - ((r1 - r0) * head_blocks).bit_length()))
-        launch(range(r0, r1), fixed)
+        launch(range(r0, r1), fixed, False)
         post(fixed, total, *sinks, STEP_CHECK, 0)  # the scales checked: redo or skip
-        launch(range(r0, r1), fixed)  # returns at once unless redo
+        launch(range(r0, r1), fixed, False)  # returns at once unless redo
         post(fixed, total, *sinks, STEP_FOLD | (FOLD_FIRST if g == 0 else 0)
              | (FOLD_LAST if g == len(groups) - 1 else 0), 0)
 

@@ -250,18 +250,14 @@ class StagedBwd(BwdKernel):
                  dkv_acc, d_sink_acc, d_sink, None, None, None)
         launch(pre, pre_names, whole)
         if fixed_point:
-            def run_group(rows: range, fixed: torch.Tensor) -> None:
-                if rows == range(s_q):  # the whole call: no slicing (host time the GPU waits for)
-                    part_q, part_dout, part_idx, length, part_delta, part_lse, part_dq = \
-                        q, dout, topk_idxs, topk_length, delta, lse_sink, dq
-                else:
-                    part = slice(rows.start, rows.stop, rows.step)  # the sample's has a step
-                    part_q, part_dout, part_idx, part_delta, part_lse, part_dq = (
-                        q[part], dout[part], topk_idxs[part], delta[part], lse_sink[part], dq[part])
-                    length = None if topk_length is None else topk_length[part].contiguous()
-                launch(main, main_names, (part_q, kv, None, part_dout, None, part_idx, length, None,
-                                          part_delta, part_lse, part_dq, None, None, None, None,
-                                          None, None, None, fixed))
+            def run_group(rows: range, fixed: torch.Tensor, measure: bool) -> None:
+                # the whole tensors and the rows as scalars: slicing costs host time, which
+                # before the first group's launch the GPU waits for
+                main(*main_names[0]((q, kv, None, dout, None, topk_idxs, topk_length, None, delta,
+                                     lse_sink, dq, None, None, None, None, None, None, None,
+                                     fixed)),
+                     stream=stream, softmax_scale=softmax_scale, row_start=rows.start,
+                     row_step=rows.step, row_count=len(rows), fixed_measure=int(measure))
 
             def run_post(fixed, total, dkv_, d_sink_acc_, d_sink_, step: int, bound: int) -> None:
                 post(*post_names[0]((None, None, None, None, None, None, None, None, None, None,

@@ -51,10 +51,10 @@ def launch_ms(call) -> list[tuple[int, float]]:
     original = runners.fixed_point_dkv
 
     def timed_dkv(launch, *args, **kwargs):
-        def timed(rows, fixed):
+        def timed(rows, fixed, measure):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            launch(rows, fixed)
+            launch(rows, fixed, measure)
             end.record()
             log.append((len(rows), start, end))
         return original(timed, *args, **kwargs)

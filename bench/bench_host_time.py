@@ -76,10 +76,10 @@ class Marks:
             return result
 
         def marked_dkv(launch, post, *args, **kwargs):
-            def marked_launch(rows, fixed):
+            def marked_launch(rows, fixed, measure):
                 marks._launches += 1
                 marks.mark(f"launch {marks._launches}>")
-                launch(rows, fixed)
+                launch(rows, fixed, measure)
                 marks.mark(f"launch {marks._launches}<")
 
             def marked_post(*post_args):

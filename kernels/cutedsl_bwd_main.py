@@ -973,16 +973,19 @@ class DeterministicNoncompactEntry:
 
 class FixedPointCompactEntry:
     """Entry point of the fixed-point deterministic mode, compact layout: ``dkv_fixed`` [s_kv + 1,
-    D + 8] int32 (:mod:`dsa_aot.kernels.fixed_point`) in place of ``dkv_acc``. Mixed into a
-    flavour that has the mode."""
+    D + 8] int32 (:mod:`dsa_aot.kernels.fixed_point`) in place of ``dkv_acc``; the query rows
+    ``row_start + i row_step`` (``i < row_count``) of the whole tensors, and ``fixed_measure``
+    (nonzero: measure the KV rows' largest values, add nothing). Mixed into a flavour that has
+    the mode."""
 
     @cute.jit
     def __call__(self, q: cute.Tensor, kv: cute.Tensor, dout: cute.Tensor,
                  topk_idxs: cute.Tensor, topk_length: cute.Tensor, lse_sink: cute.Tensor,
                  delta: cute.Tensor, dq: cute.Tensor, dkv_fixed: cute.Tensor,
-                 softmax_scale: Float32, stream: cuda.CUstream) -> None:
+                 softmax_scale: Float32, row_start: Int32, row_step: Int32, row_count: Int32,
+                 fixed_measure: Int32, stream: cuda.CUstream) -> None:
         self.launch(q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_fixed,
-                    softmax_scale, stream)
+                    softmax_scale, stream, (row_start, row_step, row_count, fixed_measure))
 
 
 class FixedPointNoncompactEntry:
@@ -993,9 +996,10 @@ class FixedPointNoncompactEntry:
     def __call__(self, q: cute.Tensor, kv: cute.Tensor, dout: cute.Tensor,
                  topk_idxs: cute.Tensor, lse_sink: cute.Tensor, delta: cute.Tensor,
                  dq: cute.Tensor, dkv_fixed: cute.Tensor, softmax_scale: Float32,
+                 row_start: Int32, row_step: Int32, row_count: Int32, fixed_measure: Int32,
                  stream: cuda.CUstream) -> None:
         self.launch(q, kv, dout, topk_idxs, topk_idxs, lse_sink, delta, dq, dkv_fixed,
-                    softmax_scale, stream)
+                    softmax_scale, stream, (row_start, row_step, row_count, fixed_measure))
 
 
 def head_blocks(heads: int) -> int:
@@ -1040,10 +1044,11 @@ def fake_arguments(d_qk: int, heads: int, layout: str, deterministic: bool = Fal
                                            d_qk), (vec_stride(), vec_stride(), 1), 16)
     else:  # 16-byte aligned rows for the 4-wide atomics
         args["dkv_acc"] = fake(Float32, (s_kv, d_qk), (cute.sym_int64(divisibility=4), 1), 16)
-    args |= {
-        "softmax_scale": Float32(1.0),
-        "stream": cuda.CUstream(0),
-    }
+    args["softmax_scale"] = Float32(1.0)
+    if deterministic and fixed_point:  # the launch's query rows, and whether it only measures
+        args |= {"row_start": Int32(0), "row_step": Int32(1), "row_count": Int32(0),
+                 "fixed_measure": Int32(0)}
+    args["stream"] = cuda.CUstream(0)
     return args
 
 

@@ -70,8 +70,8 @@ from dsa_aot.kernels.cutedsl_bwd_main import (BLOCK_H, BLOCK_N, LOG2E, Determini
                                               FixedPointNoncompactEntry, SparseMlaBwdMain,
                                               SparseMlaBwdMainCompact, SparseMlaBwdMainNoncompact,
                                               compile_flavour, score_gemms, wg_gemm)
-from dsa_aot.kernels.cutedsl_fixed_point import (add_fixed, fixed_scales, flush_max, fold_max,
-                                                 launch_skipped)
+from dsa_aot.kernels.cutedsl_fixed_point import (add_fixed, chunk_max, fixed_scales, flush_max,
+                                                 fold_max, launch_skipped)
 from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, LAYOUTS, VEC, wg_acc_as_a,
                                             wg_rows_cols)
 
@@ -214,7 +214,10 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
     def launch(self, q: cute.Tensor, kv: cute.Tensor, dout: cute.Tensor, topk_idxs: cute.Tensor,
                topk_length: cute.Tensor, lse_sink: cute.Tensor, delta: cute.Tensor,
                dq: cute.Tensor, dkv_acc: cute.Tensor, softmax_scale: Float32,
-               stream: cuda.CUstream) -> None:
+               stream: cuda.CUstream, rows: tuple | None = None) -> None:
+        """``rows`` (the fixed-point mode): ``(row_start, row_step, row_count, fixed_measure)``,
+        the query rows ``row_start + i row_step`` for ``i < row_count`` of the whole tensors, and
+        whether this launch only measures (:meth:`kernel_rows`)."""
         g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                   BFloat16, num_bits_per_copy=128)
         vecs = TILE // VEC
@@ -239,17 +242,34 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         mma_kv = sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN,
             Float32, (1, 1, 1), (BLOCK_N, TILE))
-        s_q_rows = cute.size(q, mode=[0])
-        n_hb = self.heads // BLOCK_H
-        if s_q_rows > 0:
+        def kernel_args() -> tuple:
             lay, SharedStorage = shared_storage(self.d_qk, fixed_point=self.fixed_point)
-            self.kernel_ws(
-                q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc, softmax_scale,
-                lay["q"], lay["dout"], lay["kv"], lay["p"], lay["q_t"], lay["dout_t"],
-                lay["kv_t"], lay["p_t"], row_copy, mma_s, mma_dq_rs, mma_dq_ss,
-                mma_kv, SharedStorage).launch(grid=[s_q_rows * n_hb, 1, 1],
-                                              block=[THREADS, 1, 1],
-                                              smem=SharedStorage.size_in_bytes(), stream=stream)
+            return (q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc,
+                    softmax_scale, lay["q"], lay["dout"], lay["kv"], lay["p"], lay["q_t"],
+                    lay["dout_t"], lay["kv_t"], lay["p_t"], row_copy, mma_s, mma_dq_rs, mma_dq_ss,
+                    mma_kv), SharedStorage
+
+        self.launch_rows(kernel_args, cute.size(q, mode=[0]), self.heads // BLOCK_H, rows, stream)
+
+    @cute.jit
+    def launch_rows(self, kernel_args, s_q_rows: Int32, n_hb: cutlass.Constexpr,
+                    rows: tuple | None, stream: cuda.CUstream) -> None:
+        """Launch :meth:`kernel_ws` over every query row (``s_q_rows``), or :meth:`kernel_rows`
+        over ``rows`` (the fixed-point mode, never empty), ``n_hb`` CTAs a row;
+        ``kernel_args()``: the kernel's arguments and shared storage (made where they are
+        used: a struct cannot cross a run-time ``if``)."""
+        if cutlass.const_expr(rows is None):
+            if s_q_rows > 0:
+                args, SharedStorage = kernel_args()
+                self.kernel_ws(*args, SharedStorage).launch(
+                    grid=[s_q_rows * n_hb, 1, 1], block=[THREADS, 1, 1],
+                    smem=SharedStorage.size_in_bytes(), stream=stream)
+        else:
+            row_start, row_step, row_count, measure = rows
+            args, SharedStorage = kernel_args()
+            self.kernel_rows(*args, row_start, row_step, measure, SharedStorage).launch(
+                grid=[row_count * n_hb, 1, 1], block=[THREADS, 1, 1],
+                smem=SharedStorage.size_in_bytes(), stream=stream)
 
     # ---------------------------------------------------------------------------------------
     # Device side
@@ -267,15 +287,32 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                   mma_s: cute.TiledMma, mma_dq_rs: cute.TiledMma,
                   mma_dq_ss: cute.TiledMma, mma_kv: cute.TiledMma,
                   SharedStorage: cutlass.Constexpr) -> None:
-        args = (m_q, m_kv, m_do, m_idx, m_len, m_lse, m_delta, m_dq, m_dkv, softmax_scale,
-                s_q_layout, s_do_layout, s_kv_layout, s_p_layout, s_qt_layout, s_dot_layout,
-                s_kt_layout, s_pt_layout, row_copy, mma_s, mma_dq_rs, mma_dq_ss, mma_kv,
-                SharedStorage)
-        if cutlass.const_expr(self.fixed_point):  # a re-launch the runtime found unneeded
-            if launch_skipped(m_dkv, cute.size(m_kv, mode=[0])) == 0:
-                self.cta_ws(*args)
-        else:
-            self.cta_ws(*args)
+        self.cta_ws(m_q, m_kv, m_do, m_idx, m_len, m_lse, m_delta, m_dq, m_dkv, softmax_scale,
+                    s_q_layout, s_do_layout, s_kv_layout, s_p_layout, s_qt_layout, s_dot_layout,
+                    s_kt_layout, s_pt_layout, row_copy, mma_s, mma_dq_rs, mma_dq_ss, mma_kv,
+                    SharedStorage)
+
+    @cute.kernel
+    def kernel_rows(self, m_q: cute.Tensor, m_kv: cute.Tensor, m_do: cute.Tensor,
+                    m_idx: cute.Tensor, m_len: cute.Tensor, m_lse: cute.Tensor,
+                    m_delta: cute.Tensor, m_dq: cute.Tensor, m_dkv: cute.Tensor,
+                    softmax_scale: Float32, s_q_layout: cute.ComposedLayout,
+                    s_do_layout: cute.ComposedLayout, s_kv_layout: cute.ComposedLayout,
+                    s_p_layout: cute.ComposedLayout, s_qt_layout: cute.ComposedLayout,
+                    s_dot_layout: cute.ComposedLayout, s_kt_layout: cute.ComposedLayout,
+                    s_pt_layout: cute.ComposedLayout, row_copy: cute.TiledCopy,
+                    mma_s: cute.TiledMma, mma_dq_rs: cute.TiledMma,
+                    mma_dq_ss: cute.TiledMma, mma_kv: cute.TiledMma, row_start: Int32,
+                    row_step: Int32, measure: Int32, SharedStorage: cutlass.Constexpr) -> None:
+        """The fixed-point mode's entry: CTA ``c`` takes query row ``row_start + (c / head
+        blocks) row_step`` of the whole tensors (the runtime slices nothing: host time), and
+        with ``measure`` set it only measures each KV row's largest value (:meth:`add_chunk`);
+        every CTA returns at once when the control row says the launch is not needed."""
+        if launch_skipped(m_dkv, cute.size(m_kv, mode=[0])) == 0:
+            self.cta_ws(m_q, m_kv, m_do, m_idx, m_len, m_lse, m_delta, m_dq, m_dkv,
+                        softmax_scale, s_q_layout, s_do_layout, s_kv_layout, s_p_layout,
+                        s_qt_layout, s_dot_layout, s_kt_layout, s_pt_layout, row_copy, mma_s,
+                        mma_dq_rs, mma_dq_ss, mma_kv, SharedStorage, (row_start, row_step, measure))
 
     @cute.jit
     def cta_ws(self, m_q: cute.Tensor, m_kv: cute.Tensor, m_do: cute.Tensor,
@@ -288,14 +325,19 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                s_pt_layout: cute.ComposedLayout, row_copy: cute.TiledCopy,
                mma_s: cute.TiledMma, mma_dq_rs: cute.TiledMma,
                mma_dq_ss: cute.TiledMma, mma_kv: cute.TiledMma,
-               SharedStorage: cutlass.Constexpr) -> None:
-        """One CTA's query row and head block (:meth:`kernel_ws` without the skip test)."""
+               SharedStorage: cutlass.Constexpr, rows: tuple | None = None) -> None:
+        """One CTA's query row and head block; ``rows``: ``(row_start, row_step, measure)`` of
+        :meth:`kernel_rows`."""
         d = self.d_qk
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         n_hb = self.heads // self.cta_heads
         t = bid // n_hb   # the head blocks of a row are neighbours: its second gather hits L2
         hb = bid % n_hb
+        measure = Int32(0)
+        if cutlass.const_expr(rows is not None):
+            t = rows[0] + t * rows[1]
+            measure = rows[2]
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         wtid = tidx % WG_THREADS
         topk = cute.size(m_idx, mode=[1])
@@ -330,7 +372,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                                  gather_args, mma_s, mma_dq_rs, wtid)
         else:
             self.dkv_warpgroup(t, hb, n_blocks, topk, m_dq, m_dkv, smem_views, mma_dq_ss,
-                               mma_kv, wtid)
+                               mma_kv, wtid, measure)
 
     @cute.jit
     def load_query_row(self, t: Int32, hb: Int32, m_q: cute.Tensor, m_do: cute.Tensor,
@@ -435,10 +477,11 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
     @cute.jit
     def dkv_warpgroup(self, t: Int32, hb: Int32, n_blocks: Int32, topk: Int32,
                       m_dq: cute.Tensor, m_dkv: cute.Tensor, sm: dict, mma_dq: cute.TiledMma,
-                      mma_kv: cute.TiledMma, wtid: Int32) -> None:
+                      mma_kv: cute.TiledMma, wtid: Int32, measure: Int32) -> None:
         """Warpgroup 1 over the row's blocks: the other dQ tiles (none when the score warpgroup
         takes them all), dKV chunks and their atomics (the deterministic mode: their stored
-        rows)."""
+        rows; the fixed-point mode: their integer adds, or with ``measure`` set only their
+        largest values)."""
         d = self.d_qk
         heads = self.cta_heads
         n_dq = d // TILE - self.score_dq_tiles
@@ -503,7 +546,8 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                 # a warp whose 16 block rows are all invalid slots (padding) adds nothing
                 live = cute.arch.vote_any_sync(rows[first + lane % 16] >= 0)
                 fixed = [rows, first, fixed_stride, fixed_scales(m_dkv, rows, first, lane, d),
-                         fixed_base, Int32(cute.size(m_dkv, mode=[0])), sm["max"], warp_rows, live]
+                         fixed_base, Int32(cute.size(m_dkv, mode=[0])), sm["max"], warp_rows, live,
+                         measure]
             else:
                 slots = self.dkv_slots(buf, kv_coords, lane)
                 row_ok = [sm["valid"][s] for s in slots]
@@ -546,11 +590,14 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         """One dKV chunk into ``dkv_fixed`` (the fixed-point mode, :func:`add_fixed` with
         ``fixed`` = its ``[s_idx, first, stride, scales, base, rows]``, then :func:`fold_max`
         with ``[s_max, warp_rows]``; nothing when ``fixed[8]`` is false: the warp's rows hold no
-        valid slot) or by
+        valid slot; with ``fixed[9]`` set the maxima alone, :func:`chunk_max`, no add) or by
         :meth:`scatter_chunk` (the fp32 atomics, or the stored rows)."""
         if cutlass.const_expr(self.fixed_point):
             if fixed[8]:
-                fold_max(add_fixed(acc, *fixed[:6], col0, lane), fixed[6], fixed[7], lane)
+                if fixed[9] == 0:
+                    fold_max(add_fixed(acc, *fixed[:6], col0, lane), fixed[6], fixed[7], lane)
+                else:
+                    fold_max(chunk_max(acc), fixed[6], fixed[7], lane)
         else:
             self.scatter_chunk(acc, coords, row_ok, row_ptr, col0, lane)
 

@@ -148,7 +148,7 @@ class SparseMlaBwdWsSlotMajor(SparseMlaBwdWs):
     def launch(self, q: cute.Tensor, kv: cute.Tensor, dout: cute.Tensor, topk_idxs: cute.Tensor,
                topk_length: cute.Tensor, lse_sink: cute.Tensor, delta: cute.Tensor,
                dq: cute.Tensor, dkv_acc: cute.Tensor, softmax_scale: Float32,
-               stream: cuda.CUstream) -> None:
+               stream: cuda.CUstream, rows: tuple | None = None) -> None:
         heads = self.heads
         # q / dout rows by one warpgroup each; S^T / dP^T (64 slots, H); dQ^T (64 rows of D, H)
         row_copy, mma_s, mma_dq = slot_major_tiled_ops(heads)
@@ -157,15 +157,14 @@ class SparseMlaBwdWsSlotMajor(SparseMlaBwdWs):
         mma_kv = sm90_utils.make_trivial_tiled_mma(
             BFloat16, BFloat16, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN,
             Float32, (1, 1, 1), (BLOCK_N, TILE))
-        s_q_rows = cute.size(q, mode=[0])
-        if s_q_rows > 0:
+        def kernel_args() -> tuple:
             lay, SharedStorage = shared_storage(self.d_qk, heads, self.fixed_point)
             # warpgroup 1 takes no dQ^T tile: mma_dq is the score warpgroup's alone
-            self.kernel_ws(
-                q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc, softmax_scale,
-                *(lay[name] for name in LAYOUT_ORDER), row_copy, mma_s, mma_dq, mma_dq, mma_kv,
-                SharedStorage).launch(grid=[s_q_rows, 1, 1], block=[THREADS, 1, 1],
-                                      smem=SharedStorage.size_in_bytes(), stream=stream)
+            return (q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc,
+                    softmax_scale, *(lay[name] for name in LAYOUT_ORDER), row_copy, mma_s, mma_dq,
+                    mma_dq, mma_kv), SharedStorage
+
+        self.launch_rows(kernel_args, cute.size(q, mode=[0]), 1, rows, stream)
 
     # ---------------------------------------------------------------------------------------
     # Device side (the entry is :meth:`SparseMlaBwdWs.kernel_ws`)

@@ -201,6 +201,19 @@ def add_fixed(acc: cute.Tensor, s_idx: cute.Tensor, first: Int32, stride: Int32,
     return row_max
 
 
+def chunk_max(acc: cute.Tensor) -> list:
+    """The largest ``|v|`` of this lane's values per fragment row of a ``(64 slots, 64
+    columns)`` dKV chunk (``acc`` as a ``(rows, cols)`` view; NaN if any was): what
+    :func:`add_fixed` returns, without its adds (a measuring launch)."""
+    row_max = []
+    for r in range(cute.size(acc, mode=[0])):
+        peak = Float32(0.0)
+        for i in range(cute.size(acc, mode=[1])):
+            peak = max_abs(peak, acc[r, i])
+        row_max.append(peak)
+    return row_max
+
+
 @cute.jit
 def fold_max(row_max: list, s_max: cute.Tensor, warp_rows: Int32, lane: Int32) -> None:
     """Per chunk: each of this warp's 16 rows' largest magnitude so far into ``s_max`` (shared
@@ -234,5 +247,5 @@ def flush_max(s_max: cute.Tensor, warp_rows: Int32, s_idx: cute.Tensor, first: I
     cute.arch.sync_warp()
 
 
-__all__ = ["add_fixed", "as_f32", "f32_bits", "fixed_bits", "fixed_scales", "flush_max", "fold_max",
+__all__ = ["add_fixed", "as_f32", "chunk_max", "f32_bits", "fixed_bits", "fixed_scales", "flush_max", "fold_max",
            "launch_skipped", "ld_global_s32", "max_abs", "red_add_word_pairs", "red_fixed", "sink_rows"]

@@ -339,12 +339,19 @@ def test_no_host_sync_and_capturable_in_a_cuda_graph(fixed_point_mode):
 def test_the_postprocess_steps_match_their_torch_definition(fixed_point_mode, monkeypatch, group_rows):
     """Every guess, check and fold step of real calls (one group, and five with a redo), each launched
     on the kernel and done by :func:`~dsa_aot.fixed_point.post_reference` on copies of the same
-    arguments: the same bits (NaN payloads aside), and dkv still matches the reference."""
+    arguments: the same bits (NaN payloads aside); the sample's launch measures every row's
+    maximum and adds nothing; dkv still matches the reference."""
     monkeypatch.setattr(fixed_point, "GROUP_ROWS", group_rows)
     original = runners.fixed_point_dkv
     steps = []
 
-    def checked_dkv(launch, post, *args):
+    def checked_dkv(launch, post, dkv, *args):
+        def checked_launch(rows, fixed, measure):
+            launch(rows, fixed, measure)
+            if measure:  # the sample measures and adds nothing
+                words = fixed[:dkv.shape[0], :dkv.shape[1]]
+                assert not words.any() and fixed[:dkv.shape[0], dkv.shape[1] + fixed_point.WORD_MAX].any()
+
         def checked_post(*post_args):
             *tensors, step, bound = post_args
             mine = [t.clone() for t in tensors]
@@ -355,7 +362,7 @@ def test_the_postprocess_steps_match_their_torch_definition(fixed_point_mode, mo
                 torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True,
                                            msg=lambda m: f"step {step}, {name}: {m}")
             steps.append(step)
-        return original(launch, checked_post, *args)
+        return original(checked_launch, checked_post, dkv, *args)
 
     monkeypatch.setattr(runners, "fixed_point_dkv", checked_dkv)
     q, kv, idx, length, sink, dout = inputs(300, 2048, 64, 576, 256, layout="compact", seed=5)

@@ -40,7 +40,7 @@ def test_marks_number_each_launch_of_a_fixed_point_call_and_restore_the_runner(h
     with host.Marks() as m:
         assert runners.StagedBwd.__call__ is not call and runners.fixed_point_dkv is not dkv
         m.mark("start")
-        runners.fixed_point_dkv(lambda rows, fixed: None, fixed_point.post_reference, out,
+        runners.fixed_point_dkv(lambda rows, fixed, measure: None, fixed_point.post_reference, out,
                                 torch.zeros(2, 3), torch.empty(3), 20, 1)
         m.mark("end")
     assert runners.StagedBwd.__call__ is call and runners.fixed_point_dkv is dkv

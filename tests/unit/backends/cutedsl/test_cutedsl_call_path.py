@@ -316,17 +316,16 @@ def test_bwd_runner_fixed_point_path_launches_its_postprocess_steps(monkeypatch:
 
     pre = Pre(["out", "dout", "lse", "attn_sink", "delta", "lse_sink", "d_sink_acc"], [])
     main = _Stage(["q", "kv", "dout", "topk_idxs", "topk_length", "lse_sink", "delta", "dq", "dkv_fixed"],
-                  ["softmax_scale"])
+                  ["softmax_scale", "row_start", "row_step", "row_count", "fixed_measure"])
     post = _Stage(["dkv_fixed", "dkv_acc", "dkv", "d_sink_acc", "d_sink"], ["fixed_step", "fixed_bound"])
     seen = {}
 
     def fake_fixed_point_dkv(launch, run_post, dkv_, d_sink_acc_, d_sink_, s_q_, head_blocks):
         seen.update(s_q=s_q_, head_blocks=head_blocks, dkv=dkv_, d_sink=d_sink_)
         fixed, total = torch.zeros(s_kv + 1, D + 8, dtype=torch.int32), torch.empty(0, D)
-        launch(range(0, s_q, 8), fixed)  # a stepped sample
+        launch(range(0, s_q, 8), fixed, True)  # a stepped, measuring sample
         run_post(fixed, total, dkv_, d_sink_acc_, d_sink_, 0, 19)
-        launch(range(0, s_q), fixed)  # the whole call: the caller's tensors themselves
-        launch(range(8, 24), fixed)  # a group of a larger call: slices
+        launch(range(8, 24), fixed, False)  # a group of a larger call
         run_post(fixed, total, dkv_, d_sink_acc_, d_sink_, 7, 0)
         seen.update(fixed=fixed, total=total)
 
@@ -343,11 +342,12 @@ def test_bwd_runner_fixed_point_path_launches_its_postprocess_steps(monkeypatch:
     assert torch.equal(guess_t[3], partials) and guess_t[4] is d_sink
     assert guess_kw == {"stream": 7, "fixed_step": 0, "fixed_bound": 19}
     assert fold_kw == {"stream": 7, "fixed_step": 7, "fixed_bound": 0}
-    (sample_t, sample_kw), (whole_t, _), (group_t, _) = main.calls
-    assert sample_kw == {"stream": 7, "softmax_scale": 0.5}
-    assert torch.equal(sample_t[0], q[::8]) and torch.equal(sample_t[4], length[::8])
-    assert sample_t[4].is_contiguous()
-    assert sample_t[7].data_ptr() == dq.data_ptr() and sample_t[7].stride(0) == 8 * dq.stride(0)
-    assert whole_t[0] is q and whole_t[3] is idx and whole_t[4] is length and whole_t[7] is dq
-    assert torch.equal(group_t[0], q[8:24]) and group_t[7].data_ptr() == dq[8].data_ptr()
-    assert torch.equal(group_t[4], length[8:24]) and group_t[3].shape == (16, 5)
+    # the main kernel gets the whole tensors (no slicing: host time) and its rows as scalars
+    (sample_t, sample_kw), (group_t, group_kw) = main.calls
+    for tensors in (sample_t, group_t):
+        assert tensors[:5] == (q, kv, dout, idx, length) and tensors[7] is dq
+        assert tensors[8] is seen["fixed"]
+    assert sample_kw == {"stream": 7, "softmax_scale": 0.5, "row_start": 0, "row_step": 8,
+                         "row_count": 5, "fixed_measure": 1}
+    assert group_kw == {"stream": 7, "softmax_scale": 0.5, "row_start": 8, "row_step": 1,
+                        "row_count": 16, "fixed_measure": 0}
