@@ -217,7 +217,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                stream: cuda.CUstream, rows: tuple | None = None) -> None:
         """``rows`` (the fixed-point mode): ``(row_start, row_step, row_count, fixed_measure)``,
         the query rows ``row_start + i row_step`` for ``i < row_count`` of the whole tensors, and
-        whether this launch only measures (:meth:`kernel_rows`)."""
+        whether this launch only measures (:meth:`kernel_measure`)."""
         g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                   BFloat16, num_bits_per_copy=128)
         vecs = TILE // VEC
@@ -255,7 +255,8 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
     def launch_rows(self, kernel_args, s_q_rows: Int32, n_hb: cutlass.Constexpr,
                     rows: tuple | None, stream: cuda.CUstream) -> None:
         """Launch :meth:`kernel_ws` over every query row (``s_q_rows``), or :meth:`kernel_rows`
-        over ``rows`` (the fixed-point mode, never empty), ``n_hb`` CTAs a row;
+        (:meth:`kernel_measure` for a measuring launch) over ``rows`` (the fixed-point mode,
+        never empty), ``n_hb`` CTAs a row;
         ``kernel_args()``: the kernel's arguments and shared storage (made where they are
         used: a struct cannot cross a run-time ``if``)."""
         if cutlass.const_expr(rows is None):
@@ -266,10 +267,16 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                     smem=SharedStorage.size_in_bytes(), stream=stream)
         else:
             row_start, row_step, row_count, measure = rows
-            args, SharedStorage = kernel_args()
-            self.kernel_rows(*args, row_start, row_step, measure, SharedStorage).launch(
-                grid=[row_count * n_hb, 1, 1], block=[THREADS, 1, 1],
-                smem=SharedStorage.size_in_bytes(), stream=stream)
+            if measure != 0:
+                args, SharedStorage = kernel_args()
+                self.kernel_measure(*args, row_start, row_step, SharedStorage).launch(
+                    grid=[row_count * n_hb, 1, 1], block=[THREADS, 1, 1],
+                    smem=SharedStorage.size_in_bytes(), stream=stream)
+            else:
+                args, SharedStorage = kernel_args()
+                self.kernel_rows(*args, row_start, row_step, SharedStorage).launch(
+                    grid=[row_count * n_hb, 1, 1], block=[THREADS, 1, 1],
+                    smem=SharedStorage.size_in_bytes(), stream=stream)
 
     # ---------------------------------------------------------------------------------------
     # Device side
@@ -303,16 +310,35 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                     s_pt_layout: cute.ComposedLayout, row_copy: cute.TiledCopy,
                     mma_s: cute.TiledMma, mma_dq_rs: cute.TiledMma,
                     mma_dq_ss: cute.TiledMma, mma_kv: cute.TiledMma, row_start: Int32,
-                    row_step: Int32, measure: Int32, SharedStorage: cutlass.Constexpr) -> None:
+                    row_step: Int32, SharedStorage: cutlass.Constexpr) -> None:
         """The fixed-point mode's entry: CTA ``c`` takes query row ``row_start + (c / head
-        blocks) row_step`` of the whole tensors (the runtime slices nothing: host time), and
-        with ``measure`` set it only measures each KV row's largest value (:meth:`add_chunk`);
-        every CTA returns at once when the control row says the launch is not needed."""
+        blocks) row_step`` of the whole tensors (the runtime slices nothing: host time); every
+        CTA returns at once when the control row says the launch is not needed."""
         if launch_skipped(m_dkv, cute.size(m_kv, mode=[0])) == 0:
-            self.cta_ws(m_q, m_kv, m_do, m_idx, m_len, m_lse, m_delta, m_dq, m_dkv,
-                        softmax_scale, s_q_layout, s_do_layout, s_kv_layout, s_p_layout,
-                        s_qt_layout, s_dot_layout, s_kt_layout, s_pt_layout, row_copy, mma_s,
-                        mma_dq_rs, mma_dq_ss, mma_kv, SharedStorage, (row_start, row_step, measure))
+            self.cta_ws(m_q, m_kv, m_do, m_idx, m_len, m_lse, m_delta, m_dq, m_dkv, softmax_scale,
+                      s_q_layout, s_do_layout, s_kv_layout, s_p_layout, s_qt_layout, s_dot_layout,
+                      s_kt_layout, s_pt_layout, row_copy, mma_s, mma_dq_rs, mma_dq_ss, mma_kv,
+                      SharedStorage, (row_start, row_step, False))
+
+    @cute.kernel
+    def kernel_measure(self, m_q: cute.Tensor, m_kv: cute.Tensor, m_do: cute.Tensor,
+                    m_idx: cute.Tensor, m_len: cute.Tensor, m_lse: cute.Tensor,
+                    m_delta: cute.Tensor, m_dq: cute.Tensor, m_dkv: cute.Tensor,
+                    softmax_scale: Float32, s_q_layout: cute.ComposedLayout,
+                    s_do_layout: cute.ComposedLayout, s_kv_layout: cute.ComposedLayout,
+                    s_p_layout: cute.ComposedLayout, s_qt_layout: cute.ComposedLayout,
+                    s_dot_layout: cute.ComposedLayout, s_kt_layout: cute.ComposedLayout,
+                    s_pt_layout: cute.ComposedLayout, row_copy: cute.TiledCopy,
+                    mma_s: cute.TiledMma, mma_dq_rs: cute.TiledMma,
+                    mma_dq_ss: cute.TiledMma, mma_kv: cute.TiledMma, row_start: Int32,
+                    row_step: Int32, SharedStorage: cutlass.Constexpr) -> None:
+        """:meth:`kernel_rows` that only measures each KV row's largest value and adds nothing
+        (the sample; a kernel of its own, so the adding one's code is untouched)."""
+        if launch_skipped(m_dkv, cute.size(m_kv, mode=[0])) == 0:
+            self.cta_ws(m_q, m_kv, m_do, m_idx, m_len, m_lse, m_delta, m_dq, m_dkv, softmax_scale,
+                      s_q_layout, s_do_layout, s_kv_layout, s_p_layout, s_qt_layout, s_dot_layout,
+                      s_kt_layout, s_pt_layout, row_copy, mma_s, mma_dq_rs, mma_dq_ss, mma_kv,
+                      SharedStorage, (row_start, row_step, True))
 
     @cute.jit
     def cta_ws(self, m_q: cute.Tensor, m_kv: cute.Tensor, m_do: cute.Tensor,
@@ -334,7 +360,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         n_hb = self.heads // self.cta_heads
         t = bid // n_hb   # the head blocks of a row are neighbours: its second gather hits L2
         hb = bid % n_hb
-        measure = Int32(0)
+        measure = False
         if cutlass.const_expr(rows is not None):
             t = rows[0] + t * rows[1]
             measure = rows[2]
@@ -477,7 +503,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
     @cute.jit
     def dkv_warpgroup(self, t: Int32, hb: Int32, n_blocks: Int32, topk: Int32,
                       m_dq: cute.Tensor, m_dkv: cute.Tensor, sm: dict, mma_dq: cute.TiledMma,
-                      mma_kv: cute.TiledMma, wtid: Int32, measure: Int32) -> None:
+                      mma_kv: cute.TiledMma, wtid: Int32, measure: cutlass.Constexpr) -> None:
         """Warpgroup 1 over the row's blocks: the other dQ tiles (none when the score warpgroup
         takes them all), dKV chunks and their atomics (the deterministic mode: their stored
         rows; the fixed-point mode: their integer adds, or with ``measure`` set only their
@@ -594,10 +620,10 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         :meth:`scatter_chunk` (the fp32 atomics, or the stored rows)."""
         if cutlass.const_expr(self.fixed_point):
             if fixed[8]:
-                if fixed[9] == 0:
-                    fold_max(add_fixed(acc, *fixed[:6], col0, lane), fixed[6], fixed[7], lane)
-                else:
+                if cutlass.const_expr(fixed[9]):
                     fold_max(chunk_max(acc), fixed[6], fixed[7], lane)
+                else:
+                    fold_max(add_fixed(acc, *fixed[:6], col0, lane), fixed[6], fixed[7], lane)
         else:
             self.scatter_chunk(acc, coords, row_ok, row_ptr, col0, lane)
 

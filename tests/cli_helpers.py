@@ -59,7 +59,7 @@ def run_dsl_script(code: str, folder: Path, arch: str = "sm_90a",
 
 def cubin_resources(cubin: bytes) -> dict[str, int]:
     """REGCOUNT (``regs``, attribute 0x2f) and FRAME_SIZE (``frame``, 0x11, local memory such as
-    spills) of the cubin's kernel, from its ``.nv.info`` sections."""
+    spills) from the cubin's ``.nv.info`` sections: the largest over its kernels."""
     shoff, = struct.unpack_from("<Q", cubin, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
     heads = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
@@ -75,8 +75,9 @@ def cubin_resources(cubin: bytes) -> dict[str, int]:
             length = struct.unpack_from("<H", cubin, pos + 2)[0] if fmt == 4 else 0
             payload = cubin[pos + 4:pos + 4 + length]
             pos += 4 + length
-            if attr in (0x2f, 0x11):
-                found["regs" if attr == 0x2f else "frame"] = struct.unpack_from("<II", payload)[1]
+            if attr in (0x2f, 0x11):  # per kernel: the largest over the cubin's kernels
+                key = "regs" if attr == 0x2f else "frame"
+                found[key] = max(found.get(key, 0), struct.unpack_from("<II", payload)[1])
     return found
 
 
