@@ -223,7 +223,9 @@ def test_cuda_graph_capture_replays():
 def test_cuda_graph_capture_replays_the_backward(h, layout):
     """The backward queues its stages without waiting for the host, so a training step can
     capture it: a replay with a new dout matches an eager call up to the order of fp32 atomic
-    adds."""
+    adds (dkv: where two orders' fp32 sums round to neighbouring bf16 values, a few dozen
+    elements of 2.4 M differ by one bf16 step, about 1e-5 of the norm; a stale replay differs
+    by about 1)."""
     q, kv, idx, length, sink, dout = inputs(200, 4096, h, 576, 1024, layout=layout, seed=3)
     out, lse = dsa_aot.sparse_mla_fwd(q, kv, idx, topk_length=length, attn_sink=sink)
 
@@ -238,7 +240,7 @@ def test_cuda_graph_capture_replays_the_backward(h, layout):
     graph.replay()
     torch.cuda.synchronize()
     dq, dkv, d_sink = call()
-    assert rel(g_dq, dq) < 1e-6 and rel(g_dkv, dkv) < 1e-5 and rel(g_sink, d_sink) < 1e-6
+    assert rel(g_dq, dq) < 1e-6 and rel(g_dkv, dkv) < 1e-4 and rel(g_sink, d_sink) < 1e-6
 
 
 @pytest.mark.skipif(not os.environ.get("DSA_AOT_PREBUILT_DIR"), reason="needs a prebuilt root")
