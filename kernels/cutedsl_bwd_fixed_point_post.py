@@ -16,7 +16,7 @@ One exported function, three kernels, picked by the run-time scalar ``fixed_step
   the scale that fits it exactly (:func:`exact_scale`); the group is redone when a row that was
   added to overflowed its guess or lost more than ``SLACK_BITS`` bits to it: then every row
   gets its exact scale and its words, max and count are cleared; the control row's skip word
-  tells the re-launch whether to run. A dozen more torch ops, and their host time, saved.
+  tells the re-launch whether to run (otherwise another dozen host-side torch ops).
 * :data:`STEP_FOLD` (one thread per 8 columns of a KV row): a group's integer sums, times
   ``2^-k``, folded into the fp32 total: with :data:`FOLD_FIRST` the total is the group's sums,
   else ``dkv_acc + sums``; with :data:`FOLD_LAST` it is written as bf16 to ``dkv`` in natural
@@ -46,7 +46,8 @@ from dsa_aot.kernels.fixed_point import (CONTROL_SKIP, FOLD_FIRST, FOLD_LAST, MA
 #: Columns folded by one thread, and the threads of a fold CTA.
 VEC = 8
 THREADS = 256
-#: Threads of the guessing CTA, and the bins of its histogram (one per biased exponent).
+#: Threads of the guess and check CTAs, and the bins of the guess's histogram (one per biased
+#: exponent).
 GUESS_THREADS = 1024
 BINS = 256
 
