@@ -29,10 +29,11 @@ AUTO_FIXED_POINT_HEADS = 64
 
 def deterministic_mode_for(mode: str, heads: int) -> str:
     """The deterministic mode that serves a call with ``heads`` heads under the setting
-    ``mode``: ``auto`` is ``fixed_point`` from :data:`AUTO_FIXED_POINT_HEADS` heads on (1.21-1.31x
-    the fast mode's time on an H100, against 1.39-1.59x for stored rows) and ``stored_rows``
-    below (1.28-1.34x; fixed point is level at D576 K2048, 1.30-1.32x, and slower at K512,
-    1.44x); the others are themselves."""
+    ``mode``: ``auto`` is ``fixed_point`` from :data:`AUTO_FIXED_POINT_HEADS` heads on (1.26-1.30x
+    the fast mode's time on the H200, 1.20-1.24x on an H100, against 1.35-1.44x for stored rows)
+    and ``stored_rows`` below (1.27-1.34x on the H200, where fixed point last measured 1.41-1.48x
+    at H16; on an H100 fixed point is now 1.25-1.31x there against 1.29-1.33x); the others are
+    themselves."""
     if mode == "auto":
         return "fixed_point" if heads >= AUTO_FIXED_POINT_HEADS else "stored_rows"
     return mode

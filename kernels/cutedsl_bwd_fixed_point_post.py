@@ -91,7 +91,7 @@ class FixedPointPost:
         for b in cutlass.range(tidx, BINS, GUESS_THREADS, unroll=1):
             hist[b] = Int32(0)
         cute.arch.barrier()
-        for j in cutlass.range(tidx, s_kv, GUESS_THREADS, unroll=1):
+        for j in cutlass.range(tidx, s_kv, GUESS_THREADS, unroll=4):
             row = dkv_fixed[j, None]
             seen = cutlass.max(row[d + WORD_SEEN], row[d + WORD_MAX] >> 23)
             row[d + WORD_SEEN] = seen
@@ -114,7 +114,7 @@ class FixedPointPost:
             dkv_fixed[s_kv, CONTROL_SKIP] = Int32(0)
         cute.arch.barrier()
         guess_bits = fixed_bound - MARGIN_BITS + 253
-        for j in cutlass.range(tidx, s_kv, GUESS_THREADS, unroll=1):
+        for j in cutlass.range(tidx, s_kv, GUESS_THREADS, unroll=4):
             row = dkv_fixed[j, None]
             e = row[d + WORD_SEEN]
             if e == 0:
@@ -133,7 +133,7 @@ class FixedPointPost:
             flag[0] = Int32(0)
         cute.arch.barrier()
         bad = Int32(0)
-        for j in cutlass.range(tidx, s_kv, GUESS_THREADS, unroll=1):
+        for j in cutlass.range(tidx, s_kv, GUESS_THREADS, unroll=4):
             row = dkv_fixed[j, None]
             adds = row[d + WORD_COUNT]
             off = exact_scale(adds, row[d + WORD_MAX] >> 23) - (row[d + WORD_SCALE] >> 23)
@@ -145,7 +145,7 @@ class FixedPointPost:
         cute.arch.barrier()
         redo = flag[0]
         if redo != 0:  # what a launch adds to starts afresh, with the measured scales
-            for j in cutlass.range(tidx, s_kv, GUESS_THREADS, unroll=1):
+            for j in cutlass.range(tidx, s_kv, GUESS_THREADS, unroll=4):
                 row = dkv_fixed[j, None]
                 row[d + WORD_SCALE] = exact_scale(row[d + WORD_COUNT], row[d + WORD_MAX] >> 23) << 23
                 row[d] = Int32(0)
