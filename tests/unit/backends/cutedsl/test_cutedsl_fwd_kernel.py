@@ -179,7 +179,7 @@ def test_bad_inputs_raise_before_cuda(cpu_built: dict) -> None:
 def test_build_request_validation() -> None:
     with pytest.raises(ValidationError, match="needs d_qk, heads and layout"):
         BuildRequest(kernel="fwd", arch="sm_90a", d_qk=576, heads=64)
-    with pytest.raises(ValidationError, match="apply to kernel=fwd only"):
+    with pytest.raises(ValidationError, match="apply to kernel=fwd or bwd_main .* not bwd_postprocess"):
         BuildRequest(kernel="bwd_postprocess", arch="sm_90a", heads=64)
     with pytest.raises(ValidationError):
         BuildRequest(kernel="fwd", arch="sm_90a", d_qk=128, heads=64, layout="compact")
