@@ -102,14 +102,15 @@ class FixedPointPost:
             n = Int32(0)
             for b in cutlass.range(1, BINS, unroll=1):
                 n = n + hist[b]
-            target = (n - 1) // 2
-            found = Int32(0)
+            target = n // 2 - 1 + n % 2  # (n - 1) // 2 for n > 0, without a negative division
+            found = Int32(0)  # no row seen: 0, the largest scale
             below = Int32(0)
-            for b in cutlass.range(1, BINS, unroll=1):
-                below = below + hist[b]
-                if found == 0:
-                    if below > target:
-                        found = b
+            if n > 0:
+                for b in cutlass.range(1, BINS, unroll=1):
+                    below = below + hist[b]
+                    if found == 0:
+                        if below > target:
+                            found = b
             median[0] = found
             dkv_fixed[s_kv, CONTROL_SKIP] = Int32(0)
         cute.arch.barrier()

@@ -335,12 +335,14 @@ def test_no_host_sync_and_capturable_in_a_cuda_graph(fixed_point_mode):
     assert all(torch.equal(a, b) for a, b in zip(want, captured))
 
 
-@pytest.mark.parametrize("group_rows", [4096, 64])
-def test_the_postprocess_steps_match_their_torch_definition(fixed_point_mode, monkeypatch, group_rows):
+@pytest.mark.parametrize("group_rows,zero_dout", [(4096, False), (64, False), (4096, True)])
+def test_the_postprocess_steps_match_their_torch_definition(fixed_point_mode, monkeypatch, group_rows,
+                                                            zero_dout):
     """Every guess, check and fold step of real calls (one group, and five with a redo), each launched
     on the kernel and done by :func:`~dsa_aot.fixed_point.post_reference` on copies of the same
     arguments: the same bits (NaN payloads aside); the sample's launch measures every row's
-    maximum and adds nothing; dkv still matches the reference."""
+    maximum and adds nothing; dkv still matches the reference. A zero dout (every dKV value
+    zero: no row seen, so the guess has no median) gives a zero dkv."""
     monkeypatch.setattr(fixed_point, "GROUP_ROWS", group_rows)
     original = runners.fixed_point_dkv
     steps = []
@@ -350,7 +352,8 @@ def test_the_postprocess_steps_match_their_torch_definition(fixed_point_mode, mo
             launch(rows, fixed, measure)
             if measure:  # the sample measures and adds nothing
                 words = fixed[:dkv.shape[0], :dkv.shape[1]]
-                assert not words.any() and fixed[:dkv.shape[0], dkv.shape[1] + fixed_point.WORD_MAX].any()
+                seen = fixed[:dkv.shape[0], dkv.shape[1] + fixed_point.WORD_MAX].any()
+                assert not words.any() and bool(seen) != zero_dout
 
         def checked_post(*post_args):
             *tensors, step, bound = post_args
@@ -366,11 +369,14 @@ def test_the_postprocess_steps_match_their_torch_definition(fixed_point_mode, mo
 
     monkeypatch.setattr(runners, "fixed_point_dkv", checked_dkv)
     q, kv, idx, length, sink, dout = inputs(300, 2048, 64, 576, 256, layout="compact", seed=5)
-    dout = dout.clone()
+    dout = torch.zeros_like(dout) if zero_dout else dout.clone()
     dout[200:] = (dout[200:].float() * 2.0 ** 10).to(torch.bfloat16)  # a later group is redone
     out, lse = forward(q, kv, idx, length, sink)
     grads = det_bwd(q, kv, out, dout, lse, idx, length, sink)
     torch.cuda.synchronize()
-    check_against_reference(grads, q, kv, out, dout, lse, idx, length, sink)
+    if zero_dout:
+        assert not grads[1].any() and not torch.isnan(grads[1]).any()
+    else:
+        check_against_reference(grads, q, kv, out, dout, lse, idx, length, sink)
     groups = len(fixed_point.group_bounds(300))
     assert len(steps) == 3 * groups and steps[-1] & fixed_point.FOLD_LAST
