@@ -37,7 +37,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from dsa_aot.kernels.cutedsl_bwd_postprocess import interleaved_start
+from dsa_aot.kernels.cutedsl_bwd_postprocess import fold_d_sink, interleaved_start
 from dsa_aot.kernels.cutedsl_fixed_point import as_f32
 from dsa_aot.kernels.fixed_point import (CONTROL_SKIP, FOLD_FIRST, FOLD_LAST, MARGIN_BITS,
                                          SLACK_BITS, STEP_CHECK, STEP_FOLD, STEP_GUESS, VALUE_BITS,
@@ -209,11 +209,7 @@ class FixedPointPost:
                     row[d + WORD_COUNT] = Int32(0)
         if last != 0:
             if bidx == 0:
-                if tidx < cute.size(d_sink, mode=[0]):
-                    part_sum = Float32(0.0)
-                    for part in cutlass.range(cute.size(d_sink_acc, mode=[0]), unroll=1):
-                        part_sum = part_sum + d_sink_acc[part, tidx]
-                    d_sink[tidx] = part_sum
+                fold_d_sink(d_sink_acc, d_sink, tidx)
 
 
 def fake_arguments() -> dict[str, object]:

@@ -158,11 +158,18 @@ class SparseMlaBwdReduce:
                     acc.store(summed.load())
                     out.store(summed.load().to(BFloat16))
         if j == 0:
-            if tidx < cute.size(d_sink, mode=[0]):
-                part_sum = Float32(0.0)
-                for part in cutlass.range(cute.size(d_sink_acc, mode=[0]), unroll=1):
-                    part_sum = part_sum + d_sink_acc[part, tidx]
-                d_sink[tidx] = part_sum
+            fold_d_sink(d_sink_acc, d_sink, tidx)
+
+
+@cute.jit
+def fold_d_sink(d_sink_acc: cute.Tensor, d_sink: cute.Tensor, tidx: Int32) -> None:
+    """Thread ``h < H`` of one CTA: ``d_sink[h]``, the preprocess's partials ``d_sink_acc[:, h]``
+    added in index order (a fixed order: the same bits every call)."""
+    if tidx < cute.size(d_sink, mode=[0]):
+        part_sum = Float32(0.0)
+        for part in cutlass.range(cute.size(d_sink_acc, mode=[0]), unroll=1):
+            part_sum = part_sum + d_sink_acc[part, tidx]
+        d_sink[tidx] = part_sum
 
 
 def fake_arguments(deterministic: bool = False) -> dict[str, object]:

@@ -30,13 +30,13 @@ BWD_MAIN_HEADS: dict[str, tuple[int, ...]] = {"wgmma_slot_major": BWD_SLOT_MAJOR
                                               "wgmma_ws_slot_major": BWD_SLOT_MAJOR_HEADS,
                                               "wgmma_ws_fixed": BWD_WS_HEADS,
                                               "wgmma_ws_slot_major_fixed": BWD_SLOT_MAJOR_HEADS}
+#: The postprocess flavour of the fixed-point main flavours: their guess, check and fold steps.
+FIXED_POINT_POST = "fixed_point"
 #: Kernel module and compile function of each stage (``f(arch, **params)`` returns ``(compiled,
 #: fake_arguments)``); :data:`FLAVOUR_KERNELS` overrides it for a flavour with a module of its own.
 #: A spec's key and runtime identity cover exactly the module its build imports (and what that
 #: imports), so every forward flavour is built by its own module: ``compile_fwd`` builds any of
 #: them, and a key rooted there would cover them all.
-#: The postprocess flavour of the fixed-point main flavours: their guess and fold steps.
-FIXED_POINT_POST = "fixed_point"
 KERNELS: dict[str, tuple[str, str]] = {
     "fwd": ("dsa_aot.kernels.cutedsl_fwd", "compile_fwd"),
     "bwd_preprocess": ("dsa_aot.kernels.cutedsl_bwd_preprocess", "compile_bwd_preprocess"),
