@@ -584,8 +584,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                 if lane < 16:
                     kv_row = sm["idx"][buf + warp_rows + lane]
                     if cutlass.const_expr(not self.fixed_point):  # fixed point: -1 already
-                        kv_row = Int32(cutlass.select_(sm["valid"][buf + warp_rows + lane] != 0,
-                                                       kv_row, Int32(-1)))
+                        kv_row = kv_row if sm["valid"][buf + warp_rows + lane] != 0 else Int32(-1)
                     sm["rows"][warp_rows + lane] = kv_row
                 cute.arch.sync_warp()
                 rows, first = sm["rows"], warp_rows
