@@ -72,8 +72,8 @@ from dsa_aot.kernels.cutedsl_bwd_main import (BLOCK_H, BLOCK_N, LOG2E, Determini
                                               compile_flavour, score_gemms, wg_gemm)
 from dsa_aot.kernels.cutedsl_fixed_point import (STAGE_BUFFER_BYTES, STAGE_WARP_BYTES, add_fixed,
                                                  bulk_add_chunk, chunk_max, fixed_scales,
-                                                 flush_max, fold_max, launch_skipped, stage_f32,
-                                                 stage_fixed, stage_wait)
+                                                 flush_max, fold_max, launch_skipped, stage_fixed,
+                                                 stage_wait)
 from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, LAYOUTS, VEC, wg_acc_as_a,
                                             wg_rows_cols)
 
@@ -139,8 +139,8 @@ def shared_storage(d_qk: int, heads: int = BLOCK_H, fixed_point: bool = False,
                    bulk_adds: bool = False) -> tuple[dict[str, cute.ComposedLayout], type]:
     """The layouts of :func:`ws_smem_layouts` and the kernel's shared-memory struct (call while
     tracing; ``size_in_bytes()`` is the dynamic shared memory of one CTA). ``fixed_point``: also
-    the dKV warpgroup's per-block-row maxima and KV rows (512 bytes); ``bulk_adds``: those and
-    its staging buffers (:func:`~dsa_aot.kernels.cutedsl_fixed_point.stage_fixed`, 40 KiB)."""
+    the dKV warpgroup's per-block-row maxima and KV rows (512 bytes); ``bulk_adds``: and its
+    staging buffers (:func:`~dsa_aot.kernels.cutedsl_fixed_point.stage_fixed`, 40 KiB)."""
     lay = ws_smem_layouts(d_qk, heads)
     align, mem = cute.struct.Align, cute.struct.MemRange
     fields = {f"s_{name}": align[mem[BFloat16, cute.cosize(lay[key].outer)], 1024]
@@ -150,7 +150,7 @@ def shared_storage(d_qk: int, heads: int = BLOCK_H, fixed_point: bool = False,
                "s_valid": align[mem[Int32, 2 * BLOCK_N], 16],
                "s_lse": align[mem[Float32, heads], 16],
                "s_delta": align[mem[Float32, heads], 16]}
-    if fixed_point or bulk_adds:
+    if fixed_point:
         fields |= {"s_max": align[mem[Float32, BLOCK_N], 16],
                    "s_rows": align[mem[Int32, BLOCK_N], 16]}
     if bulk_adds:
@@ -187,7 +187,7 @@ def ws_smem_views(storage: object, layouts: tuple, heads: int, fixed_point: bool
         "delta": storage.s_delta.get_tensor(cute.make_layout(heads)),
     } | ({"max": storage.s_max.get_tensor(cute.make_layout(BLOCK_N)),
           "rows": storage.s_rows.get_tensor(cute.make_layout(BLOCK_N))}
-         if fixed_point or bulk_adds else {}) \
+         if fixed_point else {}) \
         | ({"stage": storage.s_stage.get_tensor(
             cute.make_layout(WG_THREADS // 32 * STAGE_WARP_BYTES // 4))} if bulk_adds else {})
 
@@ -213,9 +213,9 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         self.gather_threads = WG_THREADS  # warpgroup 0 gathers
         #: the heads of one CTA (the K of the dKV chunk GEMMs)
         self.cta_heads = BLOCK_H
-        #: whether the dKV adds (fixed point, or the fast mode's fp32) go through shared staging
-        #: buffers and bulk reductions (:func:`~dsa_aot.kernels.cutedsl_fixed_point.stage_fixed`):
-        #: where shared memory leaves room (not at 64 heads)
+        #: whether the fixed-point adds go through shared staging buffers and bulk reductions
+        #: (:func:`~dsa_aot.kernels.cutedsl_fixed_point.stage_fixed`): where shared memory
+        #: leaves room (not at 64 heads)
         self.bulk_adds = False
 
     # ---------------------------------------------------------------------------------------
@@ -576,16 +576,12 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                 warpgroup.commit_group()
             row_ok, row_ptr, fixed = [], [], []
             rows, first = sm["idx"], buf + warp_rows
-            if cutlass.const_expr((self.fixed_point or self.bulk_adds) and self.copy_rows):
-                # the block's KV rows (-1: an invalid slot), this warp's 16, into warpgroup 1's
-                # own slots: the adds read them after PDS_EMPTY, when the slot-major score
-                # warpgroup may gather block b + 2 into this half of the index buffer (here it
-                # waits on KV_EMPTY)
+            if cutlass.const_expr(self.fixed_point and self.copy_rows):
+                # the block's KV rows, this warp's 16, into warpgroup 1's own slots: the adds
+                # read them after PDS_EMPTY, when the slot-major score warpgroup may gather
+                # block b + 2 into this half of the index buffer (here it waits on KV_EMPTY)
                 if lane < 16:
-                    kv_row = sm["idx"][buf + warp_rows + lane]
-                    if cutlass.const_expr(not self.fixed_point):  # fixed point: -1 already
-                        kv_row = kv_row if sm["valid"][buf + warp_rows + lane] != 0 else Int32(-1)
-                    sm["rows"][warp_rows + lane] = kv_row
+                    sm["rows"][warp_rows + lane] = sm["idx"][buf + warp_rows + lane]
                 cute.arch.sync_warp()
                 rows, first = sm["rows"], warp_rows
             if cutlass.const_expr(self.fixed_point):
@@ -594,9 +590,6 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                 fixed = [rows, first, fixed_stride, fixed_scales(m_dkv, rows, first, lane, d),
                          fixed_base, Int32(cute.size(m_dkv, mode=[0])), sm["max"], warp_rows, live,
                          measure, stage]
-            elif cutlass.const_expr(self.bulk_adds):  # the fast mode's fp32, staged
-                fixed = [rows, first, fixed_stride, None, fixed_base, None, None, None, None,
-                         None, stage]
             else:
                 slots = self.dkv_slots(buf, kv_coords, lane)
                 row_ok = [sm["valid"][s] for s in slots]
@@ -643,9 +636,8 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         with ``[s_max, warp_rows]``; nothing when ``fixed[8]`` is false: the warp's rows hold no
         valid slot; with ``fixed[9]`` set the maxima alone, :func:`chunk_max`, no add; with
         :attr:`bulk_adds`, :func:`stage_fixed` into this warp's staging buffers at ``fixed[10]``
-        and :func:`bulk_add_chunk`), by :func:`stage_f32` and :func:`bulk_add_chunk` (the fast
-        mode with :attr:`bulk_adds`) or by :meth:`scatter_chunk` (the fp32 atomics, or the
-        stored rows)."""
+        and :func:`bulk_add_chunk`) or by :meth:`scatter_chunk` (the fp32 atomics, or the stored
+        rows)."""
         if cutlass.const_expr(self.fixed_point):
             if fixed[8]:
                 if cutlass.const_expr(fixed[9]):
@@ -658,12 +650,6 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                     bulk_add_chunk(buf, fixed[0], fixed[1], fixed[2], fixed[4], col0, lane)
                 else:
                     fold_max(add_fixed(acc, *fixed[:6], col0, lane), fixed[6], fixed[7], lane)
-        elif cutlass.const_expr(self.bulk_adds):
-            chunk = col0 // TILE
-            buf = fixed[10] + (chunk % 2) * STAGE_BUFFER_BYTES
-            stage_wait(chunk == 0)
-            stage_f32(acc, buf, lane)
-            bulk_add_chunk(buf, fixed[0], fixed[1], fixed[2], fixed[4], col0, lane, "f32")
         else:
             self.scatter_chunk(acc, coords, row_ok, row_ptr, col0, lane)
 

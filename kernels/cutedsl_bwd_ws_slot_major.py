@@ -88,9 +88,6 @@ from dsa_aot.kernels.cutedsl_common import D_QK_CHOICES, LAYOUTS, VEC, wg_rows_c
 IMPL = "wgmma_ws_slot_major"
 #: ... and of its fixed-point deterministic mode (the default deterministic mode stores rows)
 FIXED_IMPL = "wgmma_ws_slot_major_fixed"
-#: Whether the fast mode adds its fp32 dKV chunks by bulk reductions from shared staging
-#: buffers (as the fixed-point mode does) instead of 4-wide atomics after lane trades.
-FAST_BULK_ADDS = False
 #: Head counts this flavour supports (the MMA N of the score and ``dQ^T`` GEMMs).
 HEADS = (16, 32)
 
@@ -123,12 +120,11 @@ def ws_slot_major_smem_layouts(d_qk: int, heads: int) -> dict[str, cute.Composed
 
 
 def shared_storage(d_qk: int, heads: int,
-                   fixed_point: bool = False,
-                   bulk_adds: bool = False) -> tuple[dict[str, cute.ComposedLayout], type]:
+                   fixed_point: bool = False) -> tuple[dict[str, cute.ComposedLayout], type]:
     """The layouts of :func:`ws_slot_major_smem_layouts` and the kernel's shared-memory struct
     (call while tracing; ``size_in_bytes()`` is the dynamic shared memory of one CTA); the
     fixed-point mode stages its adds for bulk reductions."""
-    return ws.shared_storage(d_qk, heads, fixed_point, bulk_adds=bulk_adds)
+    return ws.shared_storage(d_qk, heads, fixed_point, bulk_adds=fixed_point)
 
 
 class SparseMlaBwdWsSlotMajor(SparseMlaBwdWs):
@@ -148,8 +144,7 @@ class SparseMlaBwdWsSlotMajor(SparseMlaBwdWs):
         self.gather_threads = WG_THREADS  # warpgroup 0 gathers, 64 rows a block
         self.score_dq_tiles = d_qk // TILE  # every dQ^T tile: warpgroup 1 computes none
         self.cta_heads = heads
-        # 40 KiB of staging fits beside 16 or 32 heads (the stored rows keep their own stores)
-        self.bulk_adds = self.fixed_point or (FAST_BULK_ADDS and not deterministic)
+        self.bulk_adds = self.fixed_point  # 40 KiB of staging fits beside 16 or 32 heads
 
     # ---------------------------------------------------------------------------------------
     # Host side
@@ -169,8 +164,7 @@ class SparseMlaBwdWsSlotMajor(SparseMlaBwdWs):
             BFloat16, BFloat16, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN,
             Float32, (1, 1, 1), (BLOCK_N, TILE))
         def kernel_args() -> tuple:
-            lay, SharedStorage = shared_storage(self.d_qk, heads, self.fixed_point,
-                                                self.bulk_adds)
+            lay, SharedStorage = shared_storage(self.d_qk, heads, self.fixed_point)
             # warpgroup 1 takes no dQ^T tile: mma_dq is the score warpgroup's alone
             return (q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc,
                     softmax_scale, *(lay[name] for name in LAYOUT_ORDER), row_copy, mma_s, mma_dq,

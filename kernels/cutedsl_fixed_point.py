@@ -135,21 +135,12 @@ def st_shared_pairs(addr: Int32, w0: Int32, w1: Int32, w2: Int32, w3: Int32, *, 
 
 
 @cutlass.dsl_user_op
-def st_shared_f32x4(addr: Int32, v0: Float32, v1: Float32, v2: Float32, v3: Float32, *,
-                    loc=None, ip=None) -> None:
-    """Store four fp32 values as 16 bytes at shared ``addr``."""
-    _asm(None, [Int32(addr), Float32(v0), Float32(v1), Float32(v2), Float32(v3)],
-         "st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f", True, loc, ip)
-
-
-@cutlass.dsl_user_op
-def bulk_add(dst: Int64, src: Int32, nbytes: cutlass.Constexpr, dtype: cutlass.Constexpr, *,
-             loc=None, ip=None) -> None:
-    """``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.<dtype>`` (``u64`` or
-    ``f32``): add ``nbytes`` at shared ``src`` to global ``dst`` (both 16-byte aligned; no
-    commit)."""
+def bulk_add_u64(dst: Int64, src: Int32, nbytes: cutlass.Constexpr, *, loc=None,
+                 ip=None) -> None:
+    """``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64``: add ``nbytes`` of int64
+    words at shared ``src`` to global ``dst`` (both 16-byte aligned; no commit)."""
     _asm(None, [Int64(dst), Int32(src)],
-         f"cp.reduce.async.bulk.global.shared::cta.bulk_group.add.{dtype} [$0], [$1], "
+         "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64 [$0], [$1], "
          f"{int(nbytes)};", "l,r", True, loc, ip)
 
 
@@ -273,18 +264,6 @@ def stage_fixed(acc: cute.Tensor, stage: Int32, scales: list, lane: Int32) -> li
     return row_max
 
 
-def stage_f32(acc: cute.Tensor, stage: Int32, lane: Int32) -> None:
-    """:func:`stage_fixed` for the fast mode: the chunk's fp32 values as they are, in the same
-    rows and interleaved columns."""
-    quad = lane % 4
-    for r in range(cute.size(acc, mode=[0])):
-        row = stage + (8 * r + lane // 4) * (STAGE_ROW_WORDS * 4) + 16 * quad
-        for g in range(2):
-            for h in range(2):
-                st_shared_f32x4(row + 4 * (32 * g + 16 * h),
-                                *[acc[r, 8 * g + 4 * h + i] for i in range(4)])
-
-
 @cute.jit
 def stage_wait(first_chunk: cutlass.Constexpr) -> None:
     """Before :func:`stage_fixed` reuses a staging buffer: the bulk adds issued from it (two
@@ -296,18 +275,17 @@ def stage_wait(first_chunk: cutlass.Constexpr) -> None:
 
 @cute.jit
 def bulk_add_chunk(stage: Int32, s_idx: cute.Tensor, first: Int32, stride: Int32, base: Int64,
-                   col0: cutlass.Constexpr, lane: Int32, dtype: cutlass.Constexpr = "u64") -> None:
-    """After :func:`stage_fixed` (or :func:`stage_f32`, ``dtype`` ``f32``): lane ``i < 16`` adds
-    staged row ``i`` (256 bytes) to its KV row ``s_idx[first + i]`` of ``dkv_fixed`` (or
-    ``dkv_acc``) at ``base`` (row ``stride`` words), from column ``col0``, with one bulk
-    reduction (none for an invalid slot, -1), and commits its bulk group."""
+                   col0: cutlass.Constexpr, lane: Int32) -> None:
+    """After :func:`stage_fixed`: lane ``i < 16`` adds staged row ``i`` (256 bytes) to its KV
+    row ``s_idx[first + i]`` of ``dkv_fixed`` at ``base`` (row ``stride`` words), from column
+    ``col0``, with one bulk reduction (none for an invalid slot), and commits its bulk group."""
     cute.arch.fence_proxy("async.shared", space="cta")  # the stores -> the bulk unit's reads
     cute.arch.sync_warp()
     if lane < STAGE_ROWS:
         row = s_idx[first + lane]
         if row >= 0:
-            bulk_add(base + Int64(row * stride + col0) * 4, stage + lane * (STAGE_ROW_WORDS * 4),
-                     64 * 4, dtype)
+            bulk_add_u64(base + Int64(row * stride + col0) * 4,
+                         stage + lane * (STAGE_ROW_WORDS * 4), 64 * 4)
         cute.arch.cp_async_bulk_commit_group()
 
 
@@ -358,8 +336,8 @@ def flush_max(s_max: cute.Tensor, warp_rows: Int32, s_idx: cute.Tensor, first: I
 
 
 __all__ = ["STAGE_BUFFERS", "STAGE_BUFFER_BYTES", "STAGE_ROWS", "STAGE_ROW_WORDS",
-           "STAGE_WARP_BYTES", "add_fixed", "as_f32", "bulk_add", "bulk_add_chunk",
+           "STAGE_WARP_BYTES", "add_fixed", "as_f32", "bulk_add_chunk", "bulk_add_u64",
            "chunk_max", "f32_bits", "fixed_bits", "fixed_scales", "flush_max",
            "fold_max", "launch_skipped", "ld_global_s32", "max_abs",
-           "red_add_word_pairs", "red_fixed", "sink_rows", "st_shared_f32x4",
-           "st_shared_pairs", "stage_f32", "stage_fixed", "stage_wait"]
+           "red_add_word_pairs", "red_fixed", "sink_rows", "st_shared_pairs",
+           "stage_fixed", "stage_wait"]
