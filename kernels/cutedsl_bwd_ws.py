@@ -70,10 +70,8 @@ from dsa_aot.kernels.cutedsl_bwd_main import (BLOCK_H, BLOCK_N, LOG2E, Determini
                                               FixedPointNoncompactEntry, SparseMlaBwdMain,
                                               SparseMlaBwdMainCompact, SparseMlaBwdMainNoncompact,
                                               compile_flavour, score_gemms, wg_gemm)
-from dsa_aot.kernels.cutedsl_fixed_point import (STAGE_BUFFER_BYTES, STAGE_WARP_BYTES, add_fixed,
-                                                 bulk_add_chunk, chunk_max, fixed_scales,
-                                                 flush_max, fold_max, launch_skipped, stage_fixed,
-                                                 stage_wait)
+from dsa_aot.kernels.cutedsl_fixed_point import (add_fixed, chunk_max, fixed_scales, flush_max,
+                                                 fold_max, launch_skipped)
 from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, LAYOUTS, VEC, wg_acc_as_a,
                                             wg_rows_cols)
 
@@ -135,12 +133,11 @@ def ws_smem_layouts(d_qk: int, heads: int = BLOCK_H) -> dict[str, cute.ComposedL
     }
 
 
-def shared_storage(d_qk: int, heads: int = BLOCK_H, fixed_point: bool = False,
-                   bulk_adds: bool = False) -> tuple[dict[str, cute.ComposedLayout], type]:
+def shared_storage(d_qk: int, heads: int = BLOCK_H,
+                   fixed_point: bool = False) -> tuple[dict[str, cute.ComposedLayout], type]:
     """The layouts of :func:`ws_smem_layouts` and the kernel's shared-memory struct (call while
     tracing; ``size_in_bytes()`` is the dynamic shared memory of one CTA). ``fixed_point``: also
-    the dKV warpgroup's per-block-row maxima and KV rows (512 bytes); ``bulk_adds``: and its
-    staging buffers (:func:`~dsa_aot.kernels.cutedsl_fixed_point.stage_fixed`, 40 KiB)."""
+    the dKV warpgroup's per-block-row maxima and KV rows (512 bytes)."""
     lay = ws_smem_layouts(d_qk, heads)
     align, mem = cute.struct.Align, cute.struct.MemRange
     fields = {f"s_{name}": align[mem[BFloat16, cute.cosize(lay[key].outer)], 1024]
@@ -153,8 +150,6 @@ def shared_storage(d_qk: int, heads: int = BLOCK_H, fixed_point: bool = False,
     if fixed_point:
         fields |= {"s_max": align[mem[Float32, BLOCK_N], 16],
                    "s_rows": align[mem[Int32, BLOCK_N], 16]}
-    if bulk_adds:
-        fields |= {"s_stage": align[mem[Int32, WG_THREADS // 32 * STAGE_WARP_BYTES // 4], 128]}
     # built from a dict: this module's annotations are strings (postponed evaluation)
     SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
     return lay, SharedStorage
@@ -164,8 +159,7 @@ def shared_storage(d_qk: int, heads: int = BLOCK_H, fixed_point: bool = False,
 LAYOUT_ORDER = ("q", "dout", "kv", "p", "q_t", "dout_t", "kv_t", "p_t")
 
 
-def ws_smem_views(storage: object, layouts: tuple, heads: int, fixed_point: bool = False,
-                  bulk_adds: bool = False) -> dict:
+def ws_smem_views(storage: object, layouts: tuple, heads: int, fixed_point: bool = False) -> dict:
     """The tiles of a ws kernel's shared-memory ``storage`` (:func:`shared_storage`) and their
     MN-major views, by the names the warpgroups use; ``layouts`` in :data:`LAYOUT_ORDER`."""
     q_lay, do_lay, kv_lay, p_lay, qt_lay, dot_lay, kt_lay, pt_lay = layouts
@@ -187,9 +181,7 @@ def ws_smem_views(storage: object, layouts: tuple, heads: int, fixed_point: bool
         "delta": storage.s_delta.get_tensor(cute.make_layout(heads)),
     } | ({"max": storage.s_max.get_tensor(cute.make_layout(BLOCK_N)),
           "rows": storage.s_rows.get_tensor(cute.make_layout(BLOCK_N))}
-         if fixed_point else {}) \
-        | ({"stage": storage.s_stage.get_tensor(
-            cute.make_layout(WG_THREADS // 32 * STAGE_WARP_BYTES // 4))} if bulk_adds else {})
+         if fixed_point else {})
 
 
 class SparseMlaBwdWs(SparseMlaBwdMain):
@@ -213,10 +205,6 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         self.gather_threads = WG_THREADS  # warpgroup 0 gathers
         #: the heads of one CTA (the K of the dKV chunk GEMMs)
         self.cta_heads = BLOCK_H
-        #: whether the fixed-point adds go through shared staging buffers and bulk reductions
-        #: (:func:`~dsa_aot.kernels.cutedsl_fixed_point.stage_fixed`): where shared memory
-        #: leaves room (not at 64 heads)
-        self.bulk_adds = False
 
     # ---------------------------------------------------------------------------------------
     # Host side
@@ -255,8 +243,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
             BFloat16, BFloat16, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN,
             Float32, (1, 1, 1), (BLOCK_N, TILE))
         def kernel_args() -> tuple:
-            lay, SharedStorage = shared_storage(self.d_qk, fixed_point=self.fixed_point,
-                                                bulk_adds=self.bulk_adds)
+            lay, SharedStorage = shared_storage(self.d_qk, fixed_point=self.fixed_point)
             return (q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc,
                     softmax_scale, lay["q"], lay["dout"], lay["kv"], lay["p"], lay["q_t"],
                     lay["dout_t"], lay["kv_t"], lay["p_t"], row_copy, mma_s, mma_dq_rs, mma_dq_ss,
@@ -389,7 +376,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         storage = smem.allocate(SharedStorage)
         smem_views = ws_smem_views(storage, (s_q_layout, s_do_layout, s_kv_layout, s_p_layout,
                                              s_qt_layout, s_dot_layout, s_kt_layout, s_pt_layout),
-                                   self.cta_heads, self.fixed_point, self.bulk_adds)
+                                   self.cta_heads, self.fixed_point)
 
         # ---- q, dout -> shared, lse / delta; warpgroup 0 gathers block 0 ----
         self.load_query_row(t, hb, m_q, m_do, m_lse, m_delta, smem_views, row_copy, tidx, wtid,
@@ -556,9 +543,6 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         fixed_base = m_dkv.iterator.toint()
         fixed_stride = Int32(m_dkv.stride[0])
         warp_rows = (wtid // 32) * 16
-        stage = Int32(0)  # this warp's staging buffers (bulk adds)
-        if cutlass.const_expr(self.bulk_adds):
-            stage = sm["stage"].iterator.toint() + (wtid // 32) * STAGE_WARP_BYTES
         if cutlass.const_expr(self.fixed_point):  # each warp's 16 block rows: their max slots
             if lane < 16:
                 sm["max"][warp_rows + lane] = Float32(0.0)
@@ -589,7 +573,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                 live = cute.arch.vote_any_sync(rows[first + lane % 16] >= 0)
                 fixed = [rows, first, fixed_stride, fixed_scales(m_dkv, rows, first, lane, d),
                          fixed_base, Int32(cute.size(m_dkv, mode=[0])), sm["max"], warp_rows, live,
-                         measure, stage]
+                         measure]
             else:
                 slots = self.dkv_slots(buf, kv_coords, lane)
                 row_ok = [sm["valid"][s] for s in slots]
@@ -623,8 +607,6 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                 flush_max(sm["max"], warp_rows, rows, first, fixed_stride, fixed_base,
                           lane, d)
 
-        if cutlass.const_expr(self.bulk_adds):  # the bulk adds are done before the CTA exits
-            cute.arch.cp_async_bulk_wait_group(0)
         if cutlass.const_expr(n_dq > 0):
             self.store_dq(t, hb, m_dq, acc_dq, thr_dq, self.score_dq_tiles)
 
@@ -634,20 +616,12 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         """One dKV chunk into ``dkv_fixed`` (the fixed-point mode, :func:`add_fixed` with
         ``fixed`` = its ``[s_idx, first, stride, scales, base, rows]``, then :func:`fold_max`
         with ``[s_max, warp_rows]``; nothing when ``fixed[8]`` is false: the warp's rows hold no
-        valid slot; with ``fixed[9]`` set the maxima alone, :func:`chunk_max`, no add; with
-        :attr:`bulk_adds`, :func:`stage_fixed` into this warp's staging buffers at ``fixed[10]``
-        and :func:`bulk_add_chunk`) or by :meth:`scatter_chunk` (the fp32 atomics, or the stored
-        rows)."""
+        valid slot; with ``fixed[9]`` set the maxima alone, :func:`chunk_max`, no add) or by
+        :meth:`scatter_chunk` (the fp32 atomics, or the stored rows)."""
         if cutlass.const_expr(self.fixed_point):
             if fixed[8]:
                 if cutlass.const_expr(fixed[9]):
                     fold_max(chunk_max(acc), fixed[6], fixed[7], lane)
-                elif cutlass.const_expr(self.bulk_adds):
-                    chunk = col0 // TILE
-                    buf = fixed[10] + (chunk % 2) * STAGE_BUFFER_BYTES
-                    stage_wait(chunk == 0)
-                    fold_max(stage_fixed(acc, buf, fixed[3], lane), fixed[6], fixed[7], lane)
-                    bulk_add_chunk(buf, fixed[0], fixed[1], fixed[2], fixed[4], col0, lane)
                 else:
                     fold_max(add_fixed(acc, *fixed[:6], col0, lane), fixed[6], fixed[7], lane)
         else:

@@ -44,13 +44,9 @@ tiles at H 32 D 576), one CTA of two warpgroups per SM (registers: 198-236 a thr
 
 Deterministic mode (``deterministic=True``): each valid slot's dKV row is stored (bf16) into
 ``dkv_rows`` [s_q * topk, 1, D] instead of added atomically, as in :mod:`.cutedsl_bwd_ws`. With
-``impl="wgmma_ws_slot_major_fixed"``: int32 fixed-point adds into ``dkv_fixed``, as there, but
-through the bulk-copy unit: each warp stages its 16 rows of a chunk in shared memory (40 KiB a
-warpgroup, :func:`~dsa_aot.kernels.cutedsl_fixed_point.stage_fixed`) and adds each row with one
-bulk reduction; the smaller ``q`` / ``dout`` tiles leave room for the buffers. The dKV warpgroup
-first copies the block's KV rows out of the double-buffered index array (the score warpgroup
-refills it for block ``b + 2`` once ``PDS_EMPTY`` is passed, which is before the last chunk's
-adds).
+``impl="wgmma_ws_slot_major_fixed"``: int32 fixed-point adds into ``dkv_fixed``, as there; the dKV warpgroup first copies the block's KV rows out of the
+double-buffered index array (the score warpgroup refills it for block ``b + 2`` once
+``PDS_EMPTY`` is passed, which is before the last chunk's adds).
 
 Status: the sm_90a fast mode's default at H16/H32 (1.15x the cuDNN frontend at H32 D576 on the
 H200, where ``wgmma_slot_major`` gives 1.05x; ``bench/results/h200_bwd_ws_slot_major.md``). Its
@@ -122,9 +118,8 @@ def ws_slot_major_smem_layouts(d_qk: int, heads: int) -> dict[str, cute.Composed
 def shared_storage(d_qk: int, heads: int,
                    fixed_point: bool = False) -> tuple[dict[str, cute.ComposedLayout], type]:
     """The layouts of :func:`ws_slot_major_smem_layouts` and the kernel's shared-memory struct
-    (call while tracing; ``size_in_bytes()`` is the dynamic shared memory of one CTA); the
-    fixed-point mode stages its adds for bulk reductions."""
-    return ws.shared_storage(d_qk, heads, fixed_point, bulk_adds=fixed_point)
+    (call while tracing; ``size_in_bytes()`` is the dynamic shared memory of one CTA)."""
+    return ws.shared_storage(d_qk, heads, fixed_point)
 
 
 class SparseMlaBwdWsSlotMajor(SparseMlaBwdWs):
@@ -144,7 +139,6 @@ class SparseMlaBwdWsSlotMajor(SparseMlaBwdWs):
         self.gather_threads = WG_THREADS  # warpgroup 0 gathers, 64 rows a block
         self.score_dq_tiles = d_qk // TILE  # every dQ^T tile: warpgroup 1 computes none
         self.cta_heads = heads
-        self.bulk_adds = self.fixed_point  # 40 KiB of staging fits beside 16 or 32 heads
 
     # ---------------------------------------------------------------------------------------
     # Host side

@@ -13,12 +13,6 @@ The layout of ``dkv_fixed`` is :mod:`dsa_aot.kernels.fixed_point`. The dKV warpg
 * :func:`flush_max`: the row's largest ``|v|`` (``red.global.max.u32`` of fp32 bits) and its
   count of adds.
 
-Where shared memory allows (``wgmma_ws_slot_major``, 16 and 32 heads), the adds go through the
-bulk-copy unit instead: :func:`stage_fixed` writes each warp's 16 rows of a chunk as int64 pairs
-into a shared staging buffer (the same interleaved order and values), and :func:`bulk_add_chunk`
-adds each row's 256 bytes with one ``cp.reduce.async.bulk ... .add.u64``: no lane trades, no
-per-value atomics.
-
 This module imports ``cutlass``: use it in a build process only.
 """
 
@@ -31,16 +25,6 @@ from cutlass._mlir.dialects import llvm
 
 from dsa_aot.kernels.fixed_point import (CONTROL_SKIP, PAIR_MAGIC, SINK_ROWS, WORD_COUNT, WORD_MAX,
                                          WORD_SCALE)
-
-
-#: Staging of the bulk adds: per warp, :data:`STAGE_BUFFERS` buffers of 16 rows of one 64-column
-#: chunk, each row padded to :data:`STAGE_ROW_WORDS` int32 words (320 bytes: a warp's 16-byte
-#: stores of 8 rows fall into alternate halves of the banks, no conflicts beyond the minimum).
-STAGE_ROW_WORDS = 80
-STAGE_ROWS = 16
-STAGE_BUFFERS = 2
-STAGE_BUFFER_BYTES = STAGE_ROWS * STAGE_ROW_WORDS * 4
-STAGE_WARP_BYTES = STAGE_BUFFERS * STAGE_BUFFER_BYTES
 
 
 def _select(cond, if_value, else_value):
@@ -120,28 +104,6 @@ def red_add_word_pairs(base: Int64, row: Int32, stride: Int32, lane_word: Int32,
          f"sub.s64 y, y, {PAIR_MAGIC}; red.relaxed.gpu.global.add.u64 [a+{int(first_byte)}], x; "
          f"red.relaxed.gpu.global.add.u64 [a+{int(second_byte)}], y; }}",
          "l,r,r,r,r,r,r,r", True, loc, ip)
-
-
-@cutlass.dsl_user_op
-def st_shared_pairs(addr: Int32, w0: Int32, w1: Int32, w2: Int32, w3: Int32, *, loc=None,
-                    ip=None) -> None:
-    """Store the int64 pairs ``(w0, w1)`` and ``(w2, w3)`` (:func:`fixed_bits` words, low word
-    first, each less :data:`PAIR_MAGIC`: ``n_lo + 2^32 n_hi``) as 16 bytes at shared ``addr``."""
-    _asm(None, [Int32(addr), Int32(w0), Int32(w1), Int32(w2), Int32(w3)],
-         "{ .reg .b64 x, y; mov.b64 x, {$1, $2}; mov.b64 y, {$3, $4}; "
-         f"sub.s64 x, x, {PAIR_MAGIC}; sub.s64 y, y, {PAIR_MAGIC}; "
-         "st.shared.v2.b64 [$0], {x, y}; }",
-         "r,r,r,r,r", True, loc, ip)
-
-
-@cutlass.dsl_user_op
-def bulk_add_u64(dst: Int64, src: Int32, nbytes: cutlass.Constexpr, *, loc=None,
-                 ip=None) -> None:
-    """``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64``: add ``nbytes`` of int64
-    words at shared ``src`` to global ``dst`` (both 16-byte aligned; no commit)."""
-    _asm(None, [Int64(dst), Int32(src)],
-         "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u64 [$0], [$1], "
-         f"{int(nbytes)};", "l,r", True, loc, ip)
 
 
 @cutlass.dsl_user_op
@@ -239,56 +201,6 @@ def add_fixed(acc: cute.Tensor, s_idx: cute.Tensor, first: Int32, stride: Int32,
     return row_max
 
 
-def stage_fixed(acc: cute.Tensor, stage: Int32, scales: list, lane: Int32) -> list:
-    """Write one ``(64 slots, 64 columns)`` dKV chunk of a warpgroup accumulator (``acc`` as a
-    ``(rows, cols)`` view) as this warp's 16 rows of int64 pairs into the staging buffer at
-    shared address ``stage`` (row ``i`` at ``i`` :data:`STAGE_ROW_WORDS` words), in the
-    interleaved column order: a lane's values ``8 g .. 8 g + 3`` of fragment row ``r`` are words
-    ``32 g + 4 (lane % 4) .. + 3`` of row ``8 r + lane / 4``, values ``8 g + 4 .. 8 g + 7`` the
-    16 words after. Each value is :func:`fixed_bits` with its row's scale, as in
-    :func:`add_fixed`. Returns the largest ``|v|`` per fragment row (NaN if any was)."""
-    quad = lane % 4
-    row_max = []
-    for r in range(cute.size(acc, mode=[0])):
-        peak = Float32(0.0)
-        row = stage + (8 * r + lane // 4) * (STAGE_ROW_WORDS * 4) + 16 * quad
-        for g in range(2):
-            for h in range(2):
-                words = []
-                for i in range(4):
-                    v = acc[r, 8 * g + 4 * h + i]
-                    peak = max_abs(peak, v)
-                    words.append(fixed_bits(v, scales[r]))
-                st_shared_pairs(row + 4 * (32 * g + 16 * h), *words)
-        row_max.append(peak)
-    return row_max
-
-
-@cute.jit
-def stage_wait(first_chunk: cutlass.Constexpr) -> None:
-    """Before :func:`stage_fixed` reuses a staging buffer: the bulk adds issued from it (two
-    chunks back) have read it; at a block's first chunk, every earlier add (a warp skips whole
-    blocks, so the buffers' turn restarts there)."""
-    cute.arch.cp_async_bulk_wait_group(0 if first_chunk else STAGE_BUFFERS - 1, read=True)
-    cute.arch.sync_warp()
-
-
-@cute.jit
-def bulk_add_chunk(stage: Int32, s_idx: cute.Tensor, first: Int32, stride: Int32, base: Int64,
-                   col0: cutlass.Constexpr, lane: Int32) -> None:
-    """After :func:`stage_fixed`: lane ``i < 16`` adds staged row ``i`` (256 bytes) to its KV
-    row ``s_idx[first + i]`` of ``dkv_fixed`` at ``base`` (row ``stride`` words), from column
-    ``col0``, with one bulk reduction (none for an invalid slot), and commits its bulk group."""
-    cute.arch.fence_proxy("async.shared", space="cta")  # the stores -> the bulk unit's reads
-    cute.arch.sync_warp()
-    if lane < STAGE_ROWS:
-        row = s_idx[first + lane]
-        if row >= 0:
-            bulk_add_u64(base + Int64(row * stride + col0) * 4,
-                         stage + lane * (STAGE_ROW_WORDS * 4), 64 * 4)
-        cute.arch.cp_async_bulk_commit_group()
-
-
 def chunk_max(acc: cute.Tensor) -> list:
     """The largest ``|v|`` of this lane's values per fragment row of a ``(64 slots, 64
     columns)`` dKV chunk (``acc`` as a ``(rows, cols)`` view; NaN if any was): what
@@ -335,9 +247,5 @@ def flush_max(s_max: cute.Tensor, warp_rows: Int32, s_idx: cute.Tensor, first: I
     cute.arch.sync_warp()
 
 
-__all__ = ["STAGE_BUFFERS", "STAGE_BUFFER_BYTES", "STAGE_ROWS", "STAGE_ROW_WORDS",
-           "STAGE_WARP_BYTES", "add_fixed", "as_f32", "bulk_add_chunk", "bulk_add_u64",
-           "chunk_max", "f32_bits", "fixed_bits", "fixed_scales", "flush_max",
-           "fold_max", "launch_skipped", "ld_global_s32", "max_abs",
-           "red_add_word_pairs", "red_fixed", "sink_rows", "st_shared_pairs",
-           "stage_fixed", "stage_wait"]
+__all__ = ["add_fixed", "as_f32", "chunk_max", "f32_bits", "fixed_bits", "fixed_scales", "flush_max", "fold_max",
+           "launch_skipped", "ld_global_s32", "max_abs", "red_add_word_pairs", "red_fixed", "sink_rows"]
