@@ -7,9 +7,9 @@ The layout of ``dkv_fixed`` is :mod:`dsa_aot.kernels.fixed_point`. The dKV warpg
   fragment row, side of a quad pair and quad pair; -1 for an invalid slot) and the scales of
   the 4 rows this lane's own values belong to;
 * :func:`add_fixed`, per 64-column chunk: each value becomes ``fma(v, 2^k, 1.5 2^23)``'s bits;
-  after the fast mode's lane trade, neighbouring quad pairs trade half their 4-word runs so that
-  one ``red.global.add.u64`` of the warp (two words a lane) adds two whole 128-byte lines, in
-  the same interleaved column order as the fast mode's fp32 atomics;
+  three butterfly rounds between the half-warp's rows trade word pairs so that one
+  ``red.global.add.u64`` of the warp (two words a lane) adds two whole 128-byte lines, in the
+  same interleaved column order as the fast mode's fp32 atomics;
 * :func:`flush_max`: the row's largest ``|v|`` (``red.global.max.u32`` of fp32 bits) and its
   count of adds.
 
@@ -157,47 +157,45 @@ def add_fixed(acc: cute.Tensor, s_idx: cute.Tensor, first: Int32, stride: Int32,
     Returns the largest ``|v|`` of this lane's values per fragment row (NaN if any was).
 
     A lane holds, per fragment row ``r`` and 32-column group, 8 values of its row ``8 r + lane /
-    4``: each becomes ``fma(v, 2^k, 1.5 2^23)``'s bits with that row's scale. As in the fast
-    mode it keeps 4 and trades 4 with the neighbouring quad (``lane ^ 4``), so that quad pair
-    ``P`` holds the group's 32 values of its lower row (side 0) and of its upper row (side 1),
-    lane ``q`` of the pair the 4 at interleaved words ``w = 4 (q % 4) + 16 ((q / 4) ^ side)``.
-    Neighbouring pairs (``lane ^ 8``) then trade half a run: the even pair's lane keeps words
-    ``w, w + 1`` of its row and takes the odd pair's, the odd pair's lane keeps ``w + 2, w + 3``
-    of its row and takes the even pair's. Each add is one ``red.global.add.u64`` of two words as
-    an exact int64 (:func:`red_add_word_pairs`): an add of the warp covers two whole 128-byte
-    lines, a row of pairs 0-1 and one of pairs 2-3, and the two groups of a chunk share the
-    address."""
+    4``: each becomes ``fma(v, 2^k, 1.5 2^23)``'s bits with that row's scale. In the
+    interleaved order they are 4 word pairs ("chunks") of the group's line: chunk ``c`` at words
+    ``4 q + 2 (c % 2) + 16 (c / 2)`` (``q = lane % 4``). The half-warp's 16 lanes hold 4 rows,
+    row ``a = (lane / 4) % 4`` in the 4 lanes ``(a, q)``. Each lane keeps its chunk 0 and, in
+    three butterfly rounds ``m = 1, 2, 3`` (lane ``^ 4 m``), sends its chunk ``m`` and receives
+    the partner's (row ``a ^ m``, chunk ``m``): a lane's 4 chunks are then one of each row,
+    register ``k`` holding row ``a ^ k``. Two swap stages on the bits of ``a`` put row ``j`` in
+    register ``j``, and add ``j`` of the warp (:func:`red_add_word_pairs`, one
+    ``red.global.add.u64`` a group) covers row ``j`` of each half-warp: two whole 128-byte lines,
+    each lane at the words of its chunk ``a ^ j``. The two groups of a chunk share the address."""
     rows = cute.size(acc, mode=[0])
-    upper = (lane // 4) % 2
     quad = lane % 4
-    pair = lane // 8
-    odd = (pair % 2) == 1
+    a = (lane // 4) % 4
+    half_rows = 4 * (lane // 16)
     row_max = []
     for r in range(rows):
         peak = Float32(0.0)
-        kept = {}
+        held = {}
         for g in range(2):
             ints = []
             for i in range(8):
                 v = acc[r, 8 * g + i]
                 peak = max_abs(peak, v)
                 ints.append(fixed_bits(v, scales[r]))
-            got = [cute.arch.shuffle_sync_bfly(ints[4 + i], offset=4) for i in range(4)]
-            for side in range(2):
-                x = [_select(upper == side, ints[i], got[i]) for i in range(4)]
-                came = [cute.arch.shuffle_sync_bfly(_select(odd, x[i], x[2 + i]), offset=8)
-                        for i in range(2)]
-                kept[g, side, 0] = [_select(odd, came[i], x[i]) for i in range(2)]
-                kept[g, side, 1] = [_select(odd, x[2 + i], came[i]) for i in range(2)]
+            regs = [ints[0:2]] + [[cute.arch.shuffle_sync_bfly(w, offset=4 * m)
+                                   for w in ints[2 * m:2 * m + 2]] for m in range(1, 4)]
+            for bit in (1, 2):  # register k -> k ^ (a & bit): then register j holds row j
+                swap = (a & bit) != 0
+                regs = [[_select(swap, regs[k ^ bit][w], regs[k][w]) for w in range(2)]
+                        for k in range(4)]
+            held[g] = regs
         row_max.append(peak)
-        lane_word = 4 * quad + 2 * (pair % 2)
-        for side in range(2):
-            for half in range(2):  # the even pair's row, then the odd pair's
-                i = 8 * r + 4 * (pair // 2) + 2 * half + side
-                row = s_idx[first + i]
-                row = _select(row >= 0, row, sink_rows(rows_total) + i)
-                red_add_word_pairs(base, row, stride, lane_word + 16 * (upper ^ side), 4 * col0,
-                                   4 * (col0 + 32), *kept[0, side, half], *kept[1, side, half])
+        for j in range(4):
+            i = 8 * r + half_rows + j
+            row = s_idx[first + i]
+            row = _select(row >= 0, row, sink_rows(rows_total) + i)
+            k = a ^ j
+            red_add_word_pairs(base, row, stride, 4 * quad + 2 * (k % 2) + 16 * (k // 2), 4 * col0,
+                               4 * (col0 + 32), *held[0][j], *held[1][j])
     return row_max
 
 
