@@ -30,10 +30,10 @@ AUTO_FIXED_POINT_HEADS = 64
 def deterministic_mode_for(mode: str, heads: int) -> str:
     """The deterministic mode that serves a call with ``heads`` heads under the setting
     ``mode``: ``auto`` is ``fixed_point`` from :data:`AUTO_FIXED_POINT_HEADS` heads on (1.26-1.30x
-    the fast mode's time on the H200, 1.20-1.24x on an H100, against 1.35-1.44x for stored rows)
+    the fast mode's time on the H200, 1.19-1.23x on an H100, against 1.35-1.44x for stored rows)
     and ``stored_rows`` below (1.27-1.34x on the H200, where fixed point last measured 1.41-1.48x
-    at H16; on an H100 fixed point is now 1.25-1.31x there against 1.29-1.33x); the others are
-    themselves."""
+    at H16 with older code; on an H100 fixed point is now 1.24-1.28x there against 1.29-1.33x);
+    the others are themselves."""
     if mode == "auto":
         return "fixed_point" if heads >= AUTO_FIXED_POINT_HEADS else "stored_rows"
     return mode

@@ -3,15 +3,15 @@
 The layout of ``dkv_fixed`` is :mod:`dsa_aot.kernels.fixed_point`. The dKV warpgroup of the
 ``wgmma_ws`` / ``wgmma_ws_slot_major`` main kernels calls, per block of 64 slots:
 
-* :func:`fixed_rows`: the word offsets of the 16 KV rows this warp's adds go to (one per
-  fragment row, side of a quad pair and quad pair; -1 for an invalid slot) and the scales of
-  the 4 rows this lane's own values belong to;
+* :func:`fixed_scales`: the scales ``2^k`` of the 2 rows this lane's own values belong to (0 for
+  an invalid slot);
 * :func:`add_fixed`, per 64-column chunk: each value becomes ``fma(v, 2^k, 1.5 2^23)``'s bits;
   three butterfly rounds between the half-warp's rows trade word pairs so that one
   ``red.global.add.u64`` of the warp (two words a lane) adds two whole 128-byte lines, in the
-  same interleaved column order as the fast mode's fp32 atomics;
-* :func:`flush_max`: the row's largest ``|v|`` (``red.global.max.u32`` of fp32 bits) and its
-  count of adds.
+  same interleaved column order as the fast mode's fp32 atomics (an invalid slot's adds go to
+  a sink row, :func:`sink_rows`);
+* :func:`fold_max` after each chunk and :func:`flush_max` after the block: the row's largest
+  ``|v|`` (``red.global.max.u32`` of fp32 bits) and its count of adds.
 
 This module imports ``cutlass``: use it in a build process only.
 """
