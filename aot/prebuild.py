@@ -176,7 +176,13 @@ def prebuild(*, archs: list[str] | None = None, only: list[str] | None = None,
                 features = load_or_probe(store.features_path(toolchain.fingerprint),
                                          sorted({s.arch for s in specs}))
             reason = build_blocker(backend, spec, toolchain, features)
-        if reason:
+        if reason and features is not None and features.unsettled:
+            # A probe that could not answer (a timeout, a full disk) says nothing about the
+            # toolchain: fail the spec, so an image build stops instead of shipping without it.
+            summary.outcomes.append(Outcome(spec.id, "failed", message=(
+                f"{reason}; probe {', '.join(features.unsettled)} could not answer "
+                f"({features.why(features.unsettled[0])}): fix that and run prebuild again")))
+        elif reason:
             summary.outcomes.append(Outcome(spec.id, "skipped-by-feature", message=reason))
         else:
             todo.append(spec)

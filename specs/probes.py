@@ -34,6 +34,8 @@ DEFAULT_PROBE_TIMEOUT_S = 300.0
 _ARCH = re.compile(r"^sm_\d+[af]?$")
 _MARK = "DSA_AOT_PROBE "
 _NVCC_RELEASE = re.compile(r"release \d+\.\d+, V(\d+(?:\.\d+)+)")
+#: How nvcc refuses an arch it does not know (12.x/13.x, and older releases' option check).
+_NVCC_REFUSES_ARCH = re.compile(r"Unsupported gpu architecture|is not defined for option '(?:gpu-architecture|arch)'")
 _ERROR_CHARS = 2000
 
 
@@ -55,10 +57,19 @@ class Features(BaseModel):
     nvcc_version: str | None = Field(description="as `nvcc --version` reports it")
     nvcc_archs: dict[str, bool | None] = Field(description="per arch: nvcc builds a cubin for it")
     errors: dict[str, str] = Field(default_factory=dict, description="probe name -> error text")
+    unsettled: tuple[str, ...] = Field(
+        (), description="probes that could not answer for a reason that may pass (a timeout, a "
+        "crash, nvcc failing on something other than the arch, such as a full disk); features "
+        "with any are never saved, and a prebuild fails the specs they block")
 
     def key_dict(self) -> dict[str, Any]:
         """The results alone (no error text, no toolchain id): what artifacts may depend on."""
-        return self.model_dump(mode="json", exclude={"errors", "toolchain"})
+        return self.model_dump(mode="json", exclude={"errors", "toolchain", "unsettled"})
+
+    def why(self, probe: str) -> str:
+        """The last line of ``probe``'s error text (at most 200 characters), or "no detail"."""
+        lines = self.errors.get(probe, "").strip().splitlines()
+        return lines[-1][:200] if lines else "no detail"
 
     def covers(self, archs: Sequence[str]) -> bool:
         """Every arch was probed by both per-arch probes."""
@@ -162,6 +173,7 @@ _TINY_CU = "__global__ void dsa_aot_probe(int *p) { if (p) *p = 1; }\n"
 class _Outcome:
     value: Any
     error: str | None = None
+    settled: bool = True  # False: no answer, for a reason that may pass (timeout, crash, disk)
 
 
 def _tail(text: str) -> str:
@@ -197,9 +209,9 @@ def _python_probe(code: str, args: Sequence[str], timeout_s: float) -> _Outcome:
         try:
             rc, out, err = run_killable([sys.executable, str(script), *args], timeout_s, env=env, cwd=tmp)
         except OSError as e:
-            return _Outcome(None, f"cannot start {sys.executable}: {e}")
+            return _Outcome(None, f"cannot start {sys.executable}: {e}", settled=False)
     if rc is None:
-        return _Outcome(None, f"timed out after {timeout_s:g} s; stderr: {_tail(err)}")
+        return _Outcome(None, f"timed out after {timeout_s:g} s; stderr: {_tail(err)}", settled=False)
     for line in reversed(out.splitlines()):
         if line.startswith(_MARK):
             try:
@@ -207,7 +219,7 @@ def _python_probe(code: str, args: Sequence[str], timeout_s: float) -> _Outcome:
                 return _Outcome(data["value"], _tail(data["error"]) if data["error"] else None)
             except (ValueError, KeyError, TypeError):
                 break
-    return _Outcome(None, f"exited {rc} without a result: {_tail(err or out)}")
+    return _Outcome(None, f"exited {rc} without a result: {_tail(err or out)}", settled=False)
 
 
 def _nvcc_arch_probe(nvcc: Path | None, arch: str, timeout_s: float) -> _Outcome:
@@ -219,12 +231,17 @@ def _nvcc_arch_probe(nvcc: Path | None, arch: str, timeout_s: float) -> _Outcome
             rc, out, err = run_killable([str(nvcc), "-cubin", f"-arch={arch}", "-o", "probe.cubin", "probe.cu"],
                                 timeout_s, cwd=tmp)
         except OSError as e:
-            return _Outcome(None, f"cannot run {nvcc}: {e}")
+            return _Outcome(None, f"cannot run {nvcc}: {e}", settled=False)
         cubin = Path(tmp, "probe.cubin")
         built = rc == 0 and cubin.exists() and cubin.stat().st_size > 0
     if rc is None:
-        return _Outcome(None, f"timed out after {timeout_s:g} s")
-    return _Outcome(built, None if built else _tail(err or out) or f"exited {rc}")
+        return _Outcome(None, f"timed out after {timeout_s:g} s", settled=False)
+    if built:
+        return _Outcome(True)
+    detail = _tail(err or out) or f"exited {rc} without a cubin"
+    if _NVCC_REFUSES_ARCH.search(err + out):
+        return _Outcome(False, detail)
+    return _Outcome(None, detail, settled=False)  # a full disk, a broken host compiler, a kill
 
 
 def _nvcc_version_probe(nvcc: Path | None, timeout_s: float) -> _Outcome:
@@ -233,10 +250,10 @@ def _nvcc_version_probe(nvcc: Path | None, timeout_s: float) -> _Outcome:
     try:
         rc, out, err = run_killable([str(nvcc), "--version"], timeout_s)
     except OSError as e:
-        return _Outcome(None, f"cannot run {nvcc}: {e}")
+        return _Outcome(None, f"cannot run {nvcc}: {e}", settled=False)
     match = _NVCC_RELEASE.search(out)
     if rc != 0 or match is None:
-        return _Outcome(None, f"exited {rc}: {_tail(err or out)}")
+        return _Outcome(None, f"exited {rc}: {_tail(err or out)}", settled=False)
     return _Outcome(match.group(1))
 
 
@@ -273,6 +290,7 @@ def run_probes(archs: Sequence[str], timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
         results = {name: f.result() for name, f in futures.items()}
     errors = {name: r.error for name, r in results.items() if r.error}
     return Features(
+        unsettled=tuple(name for name, r in results.items() if not r.settled),
         archs=archs,
         tilelang_importable=results["tilelang_importable"].value is True,
         cutlass_dsl_importable=results["cutlass_dsl_importable"].value is True,
@@ -330,7 +348,8 @@ def load_or_probe(features_path: Path, archs: Sequence[str], *,
     (default :meth:`Toolchain.current`) and covers every arch. Otherwise ``probe(archs,
     timeout_s)`` runs for the requested archs plus those already in the file, and the result
     is written atomically. An incomplete toolchain is probed every time and nothing is
-    written. An unreadable file is a logged miss; a failed write is logged, not raised.
+    written; so are features with :attr:`~Features.unsettled` probes (the next call asks
+    again). An unreadable file is a logged miss; a failed write is logged, not raised.
     """
     archs = _check_archs(archs)
     toolchain = toolchain if toolchain is not None else Toolchain.current()
@@ -346,8 +365,14 @@ def load_or_probe(features_path: Path, archs: Sequence[str], *,
         return known
     wanted = sorted(set(archs) | (set(known.archs) if known is not None and not stale else set()))
     features = probe(wanted, timeout_s).model_copy(update={"toolchain": toolchain.fingerprint})
-    try:
-        write_atomic(features_path, features.model_dump_json(indent=1).encode())
+    if features.unsettled:
+        log.warning("feature probes %s could not answer (%s); not saving %s, the next run asks again",
+                    ", ".join(features.unsettled),
+                    "; ".join(features.why(n) for n in features.unsettled),
+                    features_path)
+        return features
+    try:  # always empty when written: files stay readable by releases without the field
+        write_atomic(features_path, features.model_dump_json(indent=1, exclude={"unsettled"}).encode())
     except OSError as e:
         log.warning("cannot write features file %s: %s", features_path, e)
     return features

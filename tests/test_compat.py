@@ -27,6 +27,7 @@ import pytest
 
 from dsa_aot.cache.store import ArtifactStore
 from dsa_aot.settings import TILELANG_PATH_VARS
+from dsa_aot.specs.probes import Features
 from dsa_aot.specs.toolchain import Distribution, Toolchain
 from dsa_aot.toolkit import resolve_nvcc
 
@@ -120,11 +121,16 @@ def _edited_package(dest: Path) -> Path:
     return path
 
 
-def _nvcc_wrapper(path: Path, release: str, reject: str | None = None) -> Path:
-    """A script standing in for another nvcc release: reports ``release``, runs the real one."""
+def _nvcc_wrapper(path: Path, release: str, reject: str | None = None, full_disk: Path | None = None) -> Path:
+    """A script standing in for another nvcc release: reports ``release``, runs the real one.
+    ``reject``: refuses that arch as nvcc does; ``full_disk``: while that file exists, every
+    compile fails as nvcc does when its output cannot be written."""
     major_minor = ".".join(release.split(".")[:2])
     refuse = (f'case "$*" in *{reject}*) echo "nvcc fatal   : Unsupported gpu architecture '
               f"'compute_{reject[3:]}'\" >&2; exit 1;; esac\n") if reject else ""
+    if full_disk is not None:
+        refuse += (f'if [ -e "{full_disk}" ]; then echo "nvcc fatal   : Could not write file '
+                   '\'probe.cubin\': No space left on device" >&2; exit 1; fi\n')
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("#!/bin/sh\n"
                     'case "$*" in *--version*) echo "nvcc: NVIDIA (R) Cuda compiler driver"; '
@@ -290,13 +296,12 @@ def test_other_compiler_release_misses_and_is_collected(package, root_a):
 
 # --- a missing feature: skipped, not failed, and the loader falls back ---------------------------
 
-@pytest.fixture(scope="module")
-def toolkit_without_sm100(tmp_path_factory) -> Path:
-    """A CUDA toolkit root whose nvcc (an older release, 12.6) refuses sm_100a."""
+def _toolkit(home: Path, release: str, **wrapper) -> Path:
+    """A CUDA toolkit root at ``home``: the real one's files, with ``_nvcc_wrapper`` as nvcc."""
     if NVCC is None or not NVCC.exists():
         pytest.skip("no nvcc on this machine")
-    home = tmp_path_factory.mktemp("cuda-12.6")
     real = NVCC.resolve().parent.parent
+    home.mkdir(parents=True, exist_ok=True)
     for child in real.iterdir():
         if child.name != "bin":
             (home / child.name).symlink_to(child)
@@ -304,16 +309,27 @@ def toolkit_without_sm100(tmp_path_factory) -> Path:
     for tool in (real / "bin").iterdir():
         if tool.name != "nvcc":
             (home / "bin" / tool.name).symlink_to(tool)
-    _nvcc_wrapper(home / "bin" / "nvcc", "12.6.85", reject="sm_100a")
+    _nvcc_wrapper(home / "bin" / "nvcc", release, **wrapper)
     return home
+
+
+def _toolkit_env(root: Path, home: Path) -> dict[str, str]:
+    env = base_env(root, CUDA_HOME=str(home))
+    for var in (*TILELANG_PATH_VARS, "CUDA_PATH"):
+        env.pop(var, None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def toolkit_without_sm100(tmp_path_factory) -> Path:
+    """A CUDA toolkit root whose nvcc (an older release, 12.6) refuses sm_100a."""
+    return _toolkit(tmp_path_factory.mktemp("cuda-12.6"), "12.6.85", reject="sm_100a")
 
 
 @pytest.fixture(scope="module")
 def prebuilt_without_sm100(toolkit_without_sm100, tmp_path_factory):
     root = tmp_path_factory.mktemp("no-sm100") / "cache"
-    env = base_env(root, CUDA_HOME=str(toolkit_without_sm100))
-    for var in (*TILELANG_PATH_VARS, "CUDA_PATH"):
-        env.pop(var, None)
+    env = _toolkit_env(root, toolkit_without_sm100)
     proc = run(["-m", "dsa_aot.cli", "prebuild", "-q", "--json", "--only", SPEC, "--only", SPEC_100], env,
                check=False)
     return root, env, proc
@@ -346,6 +362,31 @@ def test_missing_nvcc_arch_is_skipped_by_feature_not_failed(prebuilt_without_sm1
     again = run(["-m", "dsa_aot.cli", "prebuild", "-q", "--json", "--only", SPEC], env)  # now cached
     assert [(r["id"], r["status"]) for r in json.loads(again.stdout)["specs"]] == [(SPEC, "cached")]
     assert compat.cells_from_prebuild(compat.parse_prebuild_json(again.stdout), [SPEC], root)[SPEC].status == "built"
+
+
+def test_probe_that_cannot_answer_fails_the_prebuild_and_is_asked_again(tmp_path):
+    """nvcc failing on a full disk says nothing about the arch: the spec fails (exit 1), not
+    skipped, and no features file keeps the non-answer; the next prebuild probes and builds."""
+    full = tmp_path / "disk-is-full"
+    full.touch()
+    home = _toolkit(tmp_path / "cuda-13.0", "13.0.88", full_disk=full)
+    root = tmp_path / "cache"
+    env = _toolkit_env(root, home)
+    proc = run(["-m", "dsa_aot.cli", "prebuild", "-q", "--json", "--only", SPEC], env, check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["counts"] == {"built": 0, "cached": 0, "failed": 1, "skipped-by-feature": 0}
+    message = summary["specs"][0]["message"]
+    assert "nvcc_archs[sm_90a]" in message and "No space left on device" in message, message
+    assert not list(root.glob(".features/*.json"))
+    assert "could not answer" in proc.stderr
+
+    full.unlink()  # the disk has room again: same toolchain, probed anew
+    proc = run(["-m", "dsa_aot.cli", "prebuild", "-q", "--json", "--only", SPEC], env, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout)["counts"]["built"] == 1
+    saved = Features.model_validate_json(next(root.glob(".features/*.json")).read_text())
+    assert saved.nvcc_archs == {"sm_90a": True} and saved.unsettled == ()
 
 
 def test_loader_falls_back_for_the_skipped_variant(prebuilt_without_sm100):

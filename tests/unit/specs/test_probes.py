@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from dsa_aot.specs.probes import Features, load_or_probe, run_probes
+from dsa_aot.specs.probes import Features, _nvcc_arch_probe, load_or_probe, run_probes
 from dsa_aot.specs.toolchain import Toolchain, resolve_nvcc
 
 ARCHS = ["sm_90a", "sm_100a"]
@@ -156,3 +156,49 @@ def test_probe_timeout_is_recorded_not_raised():
     assert got.cute_math_isfinite is None and got.tilelang_bool_fragment_ok == {"sm_90a": None}
     for name in ("tilelang_importable", "cute_math_isfinite", "tilelang_bool_fragment_ok[sm_90a]"):
         assert "timed out" in got.errors[name]
+        assert name in got.unsettled  # a timeout may pass: never saved, a prebuild fails on it
+
+
+def _fake_nvcc(tmp_path, stderr: str):
+    """An nvcc that fails every compile with ``stderr`` (and answers ``--version``)."""
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text("#!/bin/sh\n"
+                    'case "$*" in *--version*) echo "Cuda compilation tools, release 13.0, V13.0.88"; exit 0;; esac\n'
+                    f"echo \"{stderr}\" >&2; exit 1\n")
+    nvcc.chmod(0o755)
+    return nvcc
+
+
+@pytest.mark.parametrize("stderr, value, settled", [
+    ("nvcc fatal   : Unsupported gpu architecture 'compute_90a'", False, True),
+    ("nvcc fatal   : Value 'sm_90a' is not defined for option 'gpu-architecture'", False, True),
+    ("nvcc fatal   : Could not write file 'probe.cubin': No space left on device", None, False),
+    ("gcc: fatal error: cannot execute 'cc1plus': execvp: No such file or directory", None, False),
+])
+def test_nvcc_failure_is_a_refusal_only_when_nvcc_names_the_arch(tmp_path, stderr, value, settled):
+    got = _nvcc_arch_probe(_fake_nvcc(tmp_path, stderr), "sm_90a", 60)
+    assert (got.value, got.settled) == (value, settled)
+    assert got.error is not None and stderr.split(":")[-1].strip() in got.error
+
+
+def test_unsettled_probes_are_not_saved_and_are_asked_again(probed, tmp_path):
+    _, _, features = probed
+    target = tmp_path / "features.json"
+    broken = features.model_copy(update={
+        "nvcc_archs": {**features.nvcc_archs, "sm_90a": None}, "unsettled": ("nvcc_archs[sm_90a]",),
+        "errors": {**features.errors, "nvcc_archs[sm_90a]": "No space left on device"}})
+    answers = [broken, features]
+    calls = []
+
+    def probe(archs, timeout_s):  # the first run cannot answer, the second can
+        calls.append(list(archs))
+        return answers[len(calls) - 1]
+
+    first = load_or_probe(target, ARCHS, probe=probe)
+    assert first.unsettled == ("nvcc_archs[sm_90a]",) and first.why("nvcc_archs[sm_90a]") == "No space left on device"
+    assert not target.exists()
+    second = load_or_probe(target, ARCHS, probe=probe)
+    assert second.unsettled == () and target.exists() and len(calls) == 2
+    assert load_or_probe(target, ARCHS, probe=probe) == second and len(calls) == 2
+    assert "unsettled" not in json.loads(target.read_text())  # readable by releases without it
+    assert broken.key_dict().keys() == features.key_dict().keys()  # never part of a key
