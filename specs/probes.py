@@ -40,7 +40,8 @@ _ERROR_CHARS = 2000
 
 
 class Features(BaseModel):
-    """Probe results for one toolchain. ``None`` means the probe could not answer."""
+    """Probe results for one toolchain. ``None`` means the probe could not answer; those whose
+    reason may pass (a timeout, a crash, a full disk) are also named in :attr:`unsettled`."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
