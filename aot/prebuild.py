@@ -180,8 +180,8 @@ def prebuild(*, archs: list[str] | None = None, only: list[str] | None = None,
             # A probe that could not answer (a timeout, a full disk) says nothing about the
             # toolchain: fail the spec, so an image build stops instead of shipping without it.
             summary.outcomes.append(Outcome(spec.id, "failed", message=(
-                f"{reason}; probe {', '.join(features.unsettled)} could not answer "
-                f"({features.why(features.unsettled[0])}): fix that and run prebuild again")))
+                f"{reason}; probe {', '.join(features.unsettled)} could not answer: "
+                "fix that and run prebuild again")))
         elif reason:
             summary.outcomes.append(Outcome(spec.id, "skipped-by-feature", message=reason))
         else:

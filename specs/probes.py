@@ -67,10 +67,10 @@ class Features(BaseModel):
         """The results alone (no error text, no toolchain id): what artifacts may depend on."""
         return self.model_dump(mode="json", exclude={"errors", "toolchain", "unsettled"})
 
-    def why(self, probe: str) -> str:
-        """The last line of ``probe``'s error text (at most 200 characters), or "no detail"."""
+    def why(self, probe: str, missing: str = "no detail") -> str:
+        """The last line of ``probe``'s error text (at most 200 characters), or ``missing``."""
         lines = self.errors.get(probe, "").strip().splitlines()
-        return lines[-1][:200] if lines else "no detail"
+        return lines[-1][:200] if lines else missing
 
     def covers(self, archs: Sequence[str]) -> bool:
         """Every arch was probed by both per-arch probes."""

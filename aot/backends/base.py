@@ -191,8 +191,7 @@ def nvcc_reason(spec: KernelSpec, features: Any | None) -> str | None:
     if ok is True:
         return None
     if ok is None:
-        why = getattr(features, "errors", {}).get(f"nvcc_archs[{spec.arch}]", "not probed")
-        why = (why.strip().splitlines() or ["no detail"])[-1][:200]
+        why = features.why(f"nvcc_archs[{spec.arch}]", missing="not probed")
         return f"no nvcc could build a test cubin for {spec.arch} ({why})"
     accepted = ", ".join(a for a, good in archs.items() if good) or "none"
     return f"nvcc does not accept {spec.arch} (accepts {accepted})"

@@ -84,8 +84,7 @@ class CuteDslBackend(KernelBackend):
         if reason or features is None:
             return reason
         if not getattr(features, "cutlass_dsl_importable", True):
-            why = getattr(features, "errors", {}).get("cutlass_dsl_importable", "")
-            why = (why.strip().splitlines() or [""])[-1][:200]
+            why = features.why("cutlass_dsl_importable", missing="")
             return "the CuTe DSL is not importable" + (f" ({why})" if why else "")
         return None
 
