@@ -49,6 +49,8 @@ from dsa_aot.kernels.fixed_point import (CONTROL_SKIP, FOLD_FIRST, FOLD_LAST, MA
 #: query rows of each group.
 SAMPLE_ROWS = 128
 GROUP_ROWS = 4096
+#: ``dkv_fixed``'s row stride is a multiple of this many words (128 bytes: one L2 line).
+ROW_ALIGN_WORDS = 32
 #: Biased fp32 exponent ``k + 127`` of a scale ``2^k``, ``k`` in ``[-126, 126]``.
 S_MIN, S_MAX = 1, 253
 #: Biased exponent ``E`` of a row's largest ``|v|`` (:func:`biased_exponent`) that no value (or
@@ -120,6 +122,20 @@ def integer_sums(words: torch.Tensor) -> torch.Tensor:
     return words
 
 
+def row_stride(d_qk: int) -> int:
+    """int32 words from one ``dkv_fixed`` row to the next: :func:`row_words` rounded up to
+    :data:`ROW_ALIGN_WORDS`."""
+    return -(-row_words(d_qk) // ROW_ALIGN_WORDS) * ROW_ALIGN_WORDS
+
+
+def fixed_rows(rows: int, d_qk: int, device: torch.device) -> torch.Tensor:
+    """A zeroed ``dkv_fixed`` (``[rows, row_words(d_qk)]`` int32) whose rows start on
+    :data:`ROW_ALIGN_WORDS`-word boundaries: a view of a wider allocation, so that a warp's
+    64-bit adds into a row span whole 128-byte lines (the kernels take the row stride at run
+    time)."""
+    return torch.zeros((rows, row_stride(d_qk)), dtype=torch.int32, device=device)[:, :row_words(d_qk)]
+
+
 def fixed_point_dkv(launch: MainLaunch, post: PostLaunch, dkv: torch.Tensor,
                     d_sink_acc: torch.Tensor, d_sink: torch.Tensor, s_q: int,
                     head_blocks: int) -> None:
@@ -133,7 +149,7 @@ def fixed_point_dkv(launch: MainLaunch, post: PostLaunch, dkv: torch.Tensor,
     sample only measures (it adds nothing; the guess step clears the max and count words it has
     read)."""
     s_kv, d_qk = dkv.shape
-    fixed = torch.zeros((s_kv + 1 + SINK_ROWS, row_words(d_qk)), dtype=torch.int32, device=dkv.device)
+    fixed = fixed_rows(s_kv + 1 + SINK_ROWS, d_qk, dkv.device)
     groups = group_bounds(s_q)
     # the running fp32 total of a call with several groups (else the last fold writes dkv alone)
     total = torch.empty((s_kv if len(groups) > 1 else 0, d_qk), dtype=torch.float32, device=dkv.device)

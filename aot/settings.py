@@ -23,17 +23,17 @@ TILELANG_PATH_VARS = ("TL_TEMPLATE_PATH", "TL_CUTLASS_PATH", "TVM_LIBRARY_PATH",
 #: Values of ``DSA_AOT_DETERMINISTIC_MODE``.
 DETERMINISTIC_MODES = ("auto", "stored_rows", "fixed_point")
 #: ``auto`` serves deterministic calls with this many heads or more in the fixed-point mode (the
-#: warpgroups-by-role kernels), fewer in the stored-rows mode (the slot-major kernels).
-AUTO_FIXED_POINT_HEADS = 64
+#: warpgroups-by-role kernels), fewer in the stored-rows mode (the slot-major kernels): 16, the
+#: fewest heads the kernels have, so fixed point serves every call.
+AUTO_FIXED_POINT_HEADS = 16
 
 
 def deterministic_mode_for(mode: str, heads: int) -> str:
     """The deterministic mode that serves a call with ``heads`` heads under the setting
-    ``mode``: ``auto`` is ``fixed_point`` from :data:`AUTO_FIXED_POINT_HEADS` heads on (1.26-1.30x
-    the fast mode's time on the H200, 1.19-1.23x on an H100, against 1.35-1.44x for stored rows)
-    and ``stored_rows`` below (1.27-1.34x on the H200, where fixed point last measured 1.41-1.48x
-    at H16 with older code; on an H100 fixed point is now 1.24-1.28x there against 1.29-1.33x);
-    the others are themselves."""
+    ``mode``: ``auto`` is ``fixed_point`` from :data:`AUTO_FIXED_POINT_HEADS` heads on
+    (1.12-1.18x the fast mode's time on an H100 at H16-H128, against 1.29-1.32x for stored rows
+    at H16/H32, ``bench/results/h100_deterministic_auto_aligned.md``) and ``stored_rows``
+    below; the others are themselves."""
     if mode == "auto":
         return "fixed_point" if heads >= AUTO_FIXED_POINT_HEADS else "stored_rows"
     return mode

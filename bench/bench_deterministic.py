@@ -28,8 +28,8 @@ from common import bwd_flops, environment, make_inputs, time_cuda  # noqa: E402
 import dsa_aot  # noqa: E402
 from dsa_aot import settings  # noqa: E402
 from dsa_aot.kernels.reference import sparse_mla_bwd_ref  # noqa: E402
-from dsa_aot.fixed_point import group_bounds  # noqa: E402
-from dsa_aot.kernels.fixed_point import SINK_ROWS, row_words  # noqa: E402
+from dsa_aot.fixed_point import group_bounds, row_stride  # noqa: E402
+from dsa_aot.kernels.fixed_point import SINK_ROWS  # noqa: E402
 from dsa_aot.runners import deterministic_chunk_rows, head_blocks  # noqa: E402
 
 #: (S_q, S_kv, H, D_qk, K): the backward benchmark's rows.
@@ -72,7 +72,7 @@ def workspace_bytes(s_q: int, s_kv: int, heads: int, d_qk: int, topk: int, mode:
     accumulator, the first group's fp32 sums (the total) and a later group's."""
     if mode == "fixed_point":
         later = len(group_bounds(s_q)) > 1
-        return ((s_kv + 1 + SINK_ROWS) * row_words(d_qk) * 4
+        return ((s_kv + 1 + SINK_ROWS) * row_stride(d_qk) * 4
                 + s_kv * d_qk * 4 * (2 + later))
     hb = head_blocks(heads)
     rows = min(s_q, deterministic_chunk_rows(s_q, topk, hb, d_qk, settings.get().deterministic_workspace))

@@ -1,8 +1,9 @@
 """Layout of the deterministic backward's int32 fixed-point dKV accumulator (no ``cutlass``
 import: the runtime and the kernels share it).
 
-``dkv_fixed`` is int32 ``[s_kv + 1 + SINK_ROWS, D + PAD_WORDS]``. Row ``j < s_kv`` holds KV
-row ``j``:
+``dkv_fixed`` is int32 ``[s_kv + 1 + SINK_ROWS, D + PAD_WORDS]`` with a run-time row stride (the
+runtime starts each row on a 128-byte line, :func:`dsa_aot.fixed_point.row_stride`). Row
+``j < s_kv`` holds KV row ``j``:
 
 * words ``[0, D)``: the sums of ``rni(v * 2^k_j)`` over every dKV value ``v`` added to the row,
   in the interleaved column order of :mod:`dsa_aot.kernels.dkv_interleave`, two words at a

@@ -212,17 +212,17 @@ def test_a_newer_foreign_entry_beside_a_good_one_is_left_to_the_loader(roots, ba
     assert match is not None and match.entry.path == good.path
 
 
-@pytest.mark.parametrize("mode,heads,deferred", [("auto", 64, True), ("auto", 128, True), ("auto", 16, False),
-                                                 ("auto", 32, False), ("fixed_point", 16, True),
-                                                 ("stored_rows", 128, False)])
+@pytest.mark.parametrize("mode,heads,deferred", [("auto", 64, True), ("auto", 128, True), ("auto", 16, True),
+                                                 ("auto", 32, True), ("fixed_point", 16, True),
+                                                 ("stored_rows", 128, False), ("stored_rows", 16, False)])
 def test_a_deterministic_call_served_in_fixed_point_is_left_to_the_loader(roots, no_compiler, loads, mode,
                                                                           heads, deferred):
     """Its spec carries a flavour (the backend's call flavour), which the serving path does not
-    resolve: ``auto`` serves 64 heads or more in fixed point."""
+    resolve: ``auto`` serves every head count in fixed point."""
     with settings.scope(deterministic_mode=mode):
         why = serving.why_not("bwd", "sm_90a", 576, heads, "noncompact", deterministic=True)
         assert (why == f"deterministic_mode={mode} at {heads} heads (a spec with a flavour)") is deferred, why
         assert serving.why_not("bwd", "sm_90a", 576, heads, "noncompact") == "no ranked backend has an entry stored"
-    assert settings.deterministic_mode_for("auto", 63) == "stored_rows"
-    assert settings.deterministic_mode_for("auto", 64) == "fixed_point"
+    assert settings.deterministic_mode_for("auto", 16) == "fixed_point"
+    assert settings.deterministic_mode_for("auto", 128) == "fixed_point"
     assert settings.deterministic_mode_for("stored_rows", 128) == "stored_rows"

@@ -21,7 +21,7 @@ from dsa_aot import fixed_point as fp
 from dsa_aot.kernels.dkv_interleave import dkv_acc_column
 from dsa_aot.kernels.fixed_point import (CONTROL_SKIP, FOLD_FIRST, FOLD_LAST, MAGIC, MAGIC_BITS,
                                          PAIR_MAGIC, SINK_ROWS, STEP_CHECK, STEP_FOLD, STEP_GUESS, WORD_COUNT,
-                                         WORD_MAX, WORD_SCALE, WORD_SEEN)
+                                         WORD_MAX, WORD_SCALE, WORD_SEEN, row_words)
 
 D = 64
 
@@ -49,7 +49,8 @@ class ModelKernel:
         if skipped:
             self.skipped += 1
             return
-        assert fixed.shape[0] == self.s_kv + 1 + SINK_ROWS
+        assert fixed.shape == (self.s_kv + 1 + SINK_ROWS, row_words(D))
+        assert fixed.stride() == (fp.row_stride(D), 1)  # rows on 128-byte lines
         words = fixed.numpy().view(np.uint32)
         adds = [(t, s, h) for t in rows for s in range(self.idx.shape[1])
                 for h in range(self.rows.shape[2]) if 0 <= int(self.idx[t, s]) < self.s_kv]
@@ -411,3 +412,16 @@ def test_the_sample_spreads_over_the_call():
     for s_q in (1, 4, 5, 17, 4096):
         rows = fp.sample_rows(s_q)
         assert 0 < len(rows) <= fp.SAMPLE_ROWS and rows[0] == 0 and rows[-1] >= s_q - rows.step
+
+
+@pytest.mark.parametrize("d_qk", [64, 512, 576])
+def test_fixed_rows_start_on_128_byte_lines(d_qk):
+    """``dkv_fixed`` is a zeroed view whose rows each start on an L2 line: a stride the main
+    kernel (a multiple of 4 words) and the postprocess (of 8) both accept."""
+    fixed = fp.fixed_rows(7, d_qk, torch.device("cpu"))
+    stride = fp.row_stride(d_qk)
+    assert fixed.shape == (7, row_words(d_qk)) and fixed.stride() == (stride, 1)
+    assert stride % fp.ROW_ALIGN_WORDS == 0 and stride % 8 == 0
+    assert row_words(d_qk) <= stride < row_words(d_qk) + fp.ROW_ALIGN_WORDS
+    assert {(fixed[r].data_ptr() - fixed.data_ptr()) % 128 for r in range(7)} == {0}
+    assert fixed.dtype == torch.int32 and not fixed.any()

@@ -233,7 +233,7 @@ def test_fixed_point_mode_setting_parses(monkeypatch):
 def test_fixed_point_mode_asks_for_the_fixed_flavours(empty_loader):
     """The loader's deterministic cutedsl spec carries the fixed-point flavour of the head count
     (a spec of its own, in the catalog); stored rows carry none; ``auto`` (the default) takes
-    the fixed-point flavour from 64 heads on."""
+    the fixed-point flavour at every head count."""
     with settings.scope(deterministic_mode="fixed_point"):
         with pytest.raises(DeterminismUnavailableError, match=r"-det-t[0-9a-f]{8}: not prebuilt"):
             empty_loader.resolve("bwd", "sm_90a", 576, 64, "noncompact", 0, deterministic=True)
@@ -244,13 +244,16 @@ def test_fixed_point_mode_asks_for_the_fixed_flavours(empty_loader):
         128: "wgmma_ws_fixed"}
     with settings.scope(deterministic_mode="stored_rows"):
         assert empty_loader._spec("bwd", "sm_90a", 512, 64, "compact", "cutedsl", True).tile.flavour is None
-    with settings.scope(deterministic_mode="auto"):  # the default: fixed point from 64 heads on
+    with settings.scope(deterministic_mode="auto"):  # the default: fixed point at every head count
         auto = {h: empty_loader._spec("bwd", "sm_90a", 512, h, "compact", "cutedsl", True).tile.flavour
                 for h in (16, 32, 64, 128)}
-        assert auto == {16: None, 32: None, 64: "wgmma_ws_fixed", 128: "wgmma_ws_fixed"}
+        assert auto == {h: s.tile.flavour for h, s in specs.items()}
         assert empty_loader._spec("bwd", "sm_90a", 512, 64, "compact", "cutedsl", False).tile.flavour is None
         with pytest.raises(DeterminismUnavailableError, match=r"-h128-noncompact-cutedsl-det-t[0-9a-f]{8}: "):
             empty_loader.resolve("bwd", "sm_90a", 576, 128, "noncompact", 0, deterministic=True)
+        with pytest.raises(DeterminismUnavailableError, match=r"-h32-noncompact-cutedsl-det-t[0-9a-f]{8}: "):
+            empty_loader.resolve("bwd", "sm_90a", 576, 32, "noncompact", 0, deterministic=True)
+    with settings.scope(deterministic_mode="stored_rows"):
         with pytest.raises(DeterminismUnavailableError, match=r"-h32-noncompact-cutedsl-det: "):
             empty_loader.resolve("bwd", "sm_90a", 576, 32, "noncompact", 0, deterministic=True)
     from dsa_aot.specs.catalog import load_catalog
