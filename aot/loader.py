@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,9 @@ from dsa_aot.specs.keys import RuntimeIdentity
 from dsa_aot.specs.models import KernelSpec, arch_of_capability  # noqa: F401  (re-exported)
 
 log = logging.getLogger("dsa_aot")
+
+#: Seconds a process keeps feature probes that could not answer before a miss probes again.
+UNSETTLED_RETRY_S = 60.0
 
 
 def prebuild_command(spec: KernelSpec) -> str:
@@ -77,6 +81,7 @@ class Loader:
         self._logged: set[str] = set()
         self._toolchain = None
         self._features = None
+        self._features_at = 0.0  # time.monotonic() of the last probe
         self._stores: list[ArtifactStore] | None = None
         self._ranking: tuple[dict[str, list[str]], list[dict[str, list]]] | None = None
         self._buckets: dict[tuple[str, str, str], list[int]] | None = None
@@ -121,7 +126,13 @@ class Loader:
         return None
 
     def features(self):
-        """Probed features of this toolchain (probes run once per fingerprint, on a miss only)."""
+        """Probed features of this toolchain (probes run once per fingerprint, on a miss only).
+        Features with probes that could not answer (:attr:`~dsa_aot.specs.probes.Features.unsettled`:
+        a full disk, a timeout) are kept for :data:`UNSETTLED_RETRY_S` only: a later miss probes
+        again, so a long-running process recovers once the cause is gone."""
+        if self._features is not None and self._features.unsettled \
+                and time.monotonic() - self._features_at >= UNSETTLED_RETRY_S:
+            self._features = None
         if self._features is None:
             from dsa_aot.specs.probes import load_or_probe, run_probes
 
@@ -132,6 +143,7 @@ class Loader:
                 path = store.features_path(self.fingerprint())
                 mkdirs(path.parent)  # 0755, like the entries (a umask 002 must not open it to the group)
                 self._features = load_or_probe(path, ["sm_90a", "sm_100a"])
+            self._features_at = time.monotonic()
         return self._features
 
     def ranking(self, op: str, arch: str | None = None, d_qk: int | None = None,
