@@ -183,6 +183,13 @@ def fwd_rows(args: argparse.Namespace) -> list[tuple[int, ...]]:
     return table_rows(FWD_SHAPES, args)
 
 
+def bwd_rows(args: argparse.Namespace) -> list[tuple[int, ...]]:
+    """The backward rows a run times: its ``--bwd-shape`` rows, else the table's."""
+    if args.bwd_shape:
+        return [tuple(row) for row in args.bwd_shape]
+    return table_rows(BWD_SHAPES, args)
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("bench/results/h200.json"))
@@ -198,6 +205,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--shapes", type=int, nargs="+", help="only these row numbers (0-based) of each table")
     ap.add_argument("--fwd-shape", type=int, nargs=5, action="append", metavar=("S_Q", "S_KV", "H", "D", "K"),
                     help="forward rows of your own instead of the table (repeat for several)")
+    ap.add_argument("--bwd-shape", type=int, nargs=5, action="append", metavar=("S_Q", "S_KV", "H", "D", "K"),
+                    help="backward rows of your own instead of the table (repeat for several), e.g. "
+                    "the same S_Q x K at fewer, longer rows")
     ap.add_argument("--no-paired", action="store_true",
                     help="skip the paired timing (ours and the peer called alternately, median per-pair ratio)")
     return ap
@@ -263,7 +273,7 @@ def main() -> int:
             records.append(rec)
             print(f"fwd  {backend:9s} h{h} d{d} k{k}: {ms:.3f} ms {tf:.0f} TFLOPS  ours/peer speed "
                   f"{rec['ratio']}", flush=True)
-    for s_q, s_kv, h, d, k in table_rows(BWD_SHAPES, args) if "bwd" in args.ops else []:
+    for s_q, s_kv, h, d, k in bwd_rows(args) if "bwd" in args.ops else []:
         x = make_inputs(s_q, s_kv, h, d, k)
         out, lse = dsa_aot.sparse_mla_fwd(x["q"], x["kv"], x["topk_idxs"], attn_sink=x["attn_sink"])
         peer_ms, peer_res = None, None

@@ -110,6 +110,15 @@ def test_forward_rows_from_the_table_or_the_command_line(bench):
         bench.parser().parse_args(["--fwd-shape", "4224", "8192"])
 
 
+def test_backward_rows_from_the_table_or_the_command_line(bench):
+    table = bench.BWD_SHAPES
+    assert bench.bwd_rows(bench.parser().parse_args([])) == table
+    assert bench.bwd_rows(bench.parser().parse_args(["--shapes", "1", "4"])) == [table[1], table[4]]
+    args = bench.parser().parse_args(["--bwd-shape", "2048", "8192", "64", "576", "4096", "--shapes", "0"])
+    assert bench.bwd_rows(args) == [(2048, 8192, 64, 576, 4096)]
+    assert bench.fwd_rows(args) == [bench.FWD_SHAPES[0]]  # the forward keeps its table
+
+
 @pytest.mark.parametrize("s_q,s_kv,topk", [(64, 64, 16), (32, 96, 48), (8, 8, 32)])
 def test_causal_inputs_pick_only_earlier_positions_and_pad_the_rest(s_q, s_kv, topk):
     make_inputs = _module("common").make_inputs
