@@ -129,32 +129,17 @@ def _finite(x: Float32, use_isfinite: bool) -> Boolean:
 
 
 @cute.jit
-def row_vectors(o_row: cute.Tensor, g_row: cute.Tensor, lane: Int32) -> list:
-    """This lane's 16-byte vectors of one (query row, head) of ``out`` and ``dout`` (512 values
-    each, a warp), loaded: issue several rows' before summing any (:func:`vectors_dot`) and the
-    loads are in flight together."""
-    return [(cute.local_tile(o_row, (VEC,), (lane + 32 * k,)).load(),
-             cute.local_tile(g_row, (VEC,), (lane + 32 * k,)).load())
-            for k in range(D_V // (32 * VEC))]
-
-
-@cute.jit
-def vectors_dot(vectors: list) -> Float32:
-    """``sum_d out[d] * dout[d]`` of one (query row, head) from its :func:`row_vectors`, fp32,
-    the warp's sum in every lane. One order of operations for every kernel that computes
-    ``delta``, so they agree bit for bit."""
-    dot = Float32(0.0)
-    for k in cutlass.range_constexpr(len(vectors)):
-        o_vec, g_vec = vectors[k]
-        dot = dot + (o_vec.to(Float32) * g_vec.to(Float32)).reduce(
-            cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
-    return cute.arch.warp_reduction_sum(dot)
-
-
-@cute.jit
 def row_dot(o_row: cute.Tensor, g_row: cute.Tensor, lane: Int32) -> Float32:
-    """:func:`vectors_dot` of :func:`row_vectors`: ``delta`` of one (query row, head)."""
-    return vectors_dot(row_vectors(o_row, g_row, lane))
+    """``sum_d o_row[d] * g_row[d]`` over the 512 values of one (query row, head), by one warp
+    (each lane two 16-byte vectors of each), fp32, the warp's sum in every lane. One order of
+    operations for every kernel that computes ``delta``, so they agree bit for bit."""
+    dot = Float32(0.0)
+    for k in cutlass.range_constexpr(D_V // (32 * VEC)):
+        o_vec = cute.local_tile(o_row, (VEC,), (lane + 32 * k,)).load().to(Float32)
+        g_vec = cute.local_tile(g_row, (VEC,), (lane + 32 * k,)).load().to(Float32)
+        dot = dot + (o_vec * g_vec).reduce(cute.ReductionOp.ADD, Float32(0.0),
+                                          reduction_profile=0)
+    return cute.arch.warp_reduction_sum(dot)
 
 
 @cute.jit

@@ -74,7 +74,7 @@ from dsa_aot.kernels.cutedsl_fixed_point import (add_fixed, chunk_max, fixed_sca
                                                  fold_max, launch_skipped)
 from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, LAYOUTS, VEC, wg_acc_as_a,
                                             wg_rows_cols)
-from dsa_aot.kernels.cutedsl_bwd_preprocess import row_vectors, sink_terms, vectors_dot
+from dsa_aot.kernels.cutedsl_bwd_preprocess import row_dot, sink_terms
 
 #: The ``impl`` name of this flavour (the build's ``tile.flavour``), and of its deterministic
 #: mode with fixed-point adds (the default deterministic mode stores rows).
@@ -466,7 +466,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                   m_lse: cute.Tensor, m_sink: cute.Tensor, m_dsink: cute.Tensor, sm: dict,
                   wtid: Int32) -> None:
         """The preprocess's work for query row ``t`` and head block ``hb``, by warpgroup 1 while
-        warpgroup 0 scores block 0: per head, ``delta`` (:func:`vectors_dot`, the preprocess's order
+        warpgroup 0 scores block 0: per head, ``delta`` (:func:`row_dot`, the preprocess's order
         of operations, so the same bits) and ``lse_sink`` (:func:`sink_terms`) into shared
         memory (``lse_sink`` in base 2), and ``-p_sink delta`` added to ``d_sink``. Each warp
         takes 16 heads, :data:`STATS_GROUP` loads in flight at a time."""
@@ -475,10 +475,8 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         first = (wtid // 32) * per_warp
         for g in cutlass.range_constexpr(per_warp // STATS_GROUP):
             local = [first + g * STATS_GROUP + i for i in range(STATS_GROUP)]
-            # every load of the group first, then the sums (the preprocess's order of operations)
-            loaded = [row_vectors(m_out[t, hb * self.cta_heads + h, None],
-                                  m_do[t, hb * self.cta_heads + h, None], lane) for h in local]
-            dots = [vectors_dot(v) for v in loaded]
+            dots = [row_dot(m_out[t, hb * self.cta_heads + h, None],
+                            m_do[t, hb * self.cta_heads + h, None], lane) for h in local]
             for i in cutlass.range_constexpr(STATS_GROUP):
                 head = hb * self.cta_heads + local[i]
                 merged, p_sink = sink_terms(m_lse[t, head], m_sink[head], False)

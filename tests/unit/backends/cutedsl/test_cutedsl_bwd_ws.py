@@ -303,7 +303,7 @@ def test_fused_flavour_requests() -> None:
     deterministic mode, other head counts and sm_100a by name."""
     request = _request(576, 64, "compact", flavour="wgmma_ws_fused")
     assert request.impl == "wgmma_ws_fused" and request.compile_params["impl"] == "wgmma_ws_fused"
-    assert "dsa_aot/kernels/cutedsl_bwd_preprocess.py" in module_sources([MODULE])  # its vectors_dot
+    assert "dsa_aot/kernels/cutedsl_bwd_preprocess.py" in module_sources([MODULE])  # its row_dot
     with pytest.raises(ValueError, match="impl=wgmma_ws_fused has no deterministic bwd_main"):
         BuildRequest(kernel="bwd_main", arch="sm_90a", d_qk=576, heads=64, layout="compact",
                      impl="wgmma_ws_fused", deterministic=True)
