@@ -165,9 +165,7 @@ class StagedBwd(BwdKernel):
 
     The runtime allocates every intermediate and zeroes the accumulators the kernels add into
     (``d_sink``, ``dkv_acc``); each stage reads its arguments by the contract's names, so a
-    cubin and a CuTe DSL stage mix freely. A main stage that takes ``out`` and no ``delta``
-    computes the preprocess's row statistics itself (the CuTe DSL ``wgmma_ws`` fast mode): the
-    preprocess stage is then not launched. The deterministic mode (CuTe DSL stages) runs the
+    cubin and a CuTe DSL stage mix freely. The deterministic mode (CuTe DSL stages) runs the
     main and postprocess stages per chunk of query rows (:meth:`_deterministic`).
     """
 
@@ -185,19 +183,13 @@ class StagedBwd(BwdKernel):
                          else (_picker(self.TENSORS, k.tensor_names), k.scalar_names))
                         for k in (pre, main, post)]
         self._cubin = any(names is None for _, names in self._stages)
-        main_names = getattr(main, "tensor_names", None) or ()
-        #: whether the main stage computes delta, lse_sink and d_sink itself (no preprocess)
-        self.fused_stats = "out" in main_names and "delta" not in main_names
-        self._fast_stages = self._stages[1:] if self.fused_stats else self._stages
 
     def __call__(self, q, kv, out, dout, lse, topk_idxs, topk_length, attn_sink, softmax_scale):
         s_q, heads, d_qk = q.shape
         s_kv = kv.shape[0]
         dev = q.device
-        delta = lse_sink = None  # the preprocess's outputs, where a stage reads them
-        if self.spec.deterministic or not self.fused_stats:
-            delta = torch.empty((s_q, heads), dtype=torch.float32, device=dev)
-            lse_sink = torch.empty((s_q, heads), dtype=torch.float32, device=dev)
+        delta = torch.empty((s_q, heads), dtype=torch.float32, device=dev)
+        lse_sink = torch.empty((s_q, heads), dtype=torch.float32, device=dev)
         dq = torch.empty_like(q)
         dkv = torch.empty((s_kv, d_qk), dtype=torch.bfloat16, device=dev)
         if self.spec.deterministic:
@@ -214,7 +206,7 @@ class StagedBwd(BwdKernel):
                     if t is not None or name not in ("d_sink_acc", "dkv_rows", "row_order", "row_offsets")}
             args.update(scalars)
         stream = current_stream(dev)
-        for kernel, names in self._fast_stages:
+        for kernel, names in self._stages:
             if names is None:
                 kernel.launch(stream, args)
             else:

@@ -835,10 +835,9 @@ class SparseMlaBwdMain:
     def load_row(self, t: Int32, hb: Int32, m_q: cute.Tensor, m_do: cute.Tensor, m_lse: cute.Tensor,
                  m_delta: cute.Tensor, s_q: cute.Tensor, s_do: cute.Tensor, s_lse: cute.Tensor,
                  s_delta: cute.Tensor, thr_copy: cute.TiledCopy, gmem_copy: cute.TiledCopy,
-                 row_in_pass: Int32, tidx: Int32, stats: cutlass.Constexpr = True) -> None:
+                 row_in_pass: Int32, tidx: Int32) -> None:
         """Issue the ``cp.async`` copies of query row ``t``'s ``q`` and ``dout`` (head block ``hb``;
-        zero rows past ``H``) and store its ``lse`` (base 2) and ``delta`` in shared memory (not
-        with ``stats`` false: a kernel that computes them itself)."""
+        zero rows past ``H``) and store its ``lse`` (base 2) and ``delta`` in shared memory."""
         d = self.d_qk
         heads = self.heads
         rows_per_pass = THREADS // (64 // VEC)
@@ -854,15 +853,6 @@ class SparseMlaBwdMain:
                         cute.copy(gmem_copy, t_g[None, m, None], t_s[None, m, None])
                     else:
                         t_s[None, m, None].fill(0)
-        if cutlass.const_expr(stats):
-            self.store_row_stats(t, hb, m_lse, m_delta, s_lse, s_delta, tidx)
-
-    @cute.jit
-    def store_row_stats(self, t: Int32, hb: Int32, m_lse: cute.Tensor, m_delta: cute.Tensor,
-                        s_lse: cute.Tensor, s_delta: cute.Tensor, tidx: Int32) -> None:
-        """Store row ``t``'s ``lse`` (base 2) and ``delta`` of head block ``hb`` in shared memory
-        (``+inf`` and 0 past ``H``)."""
-        heads = self.heads
         if tidx < BLOCK_H:
             head = hb * BLOCK_H + tidx
             lse_val = Float32(_INF)
@@ -1018,7 +1008,7 @@ def head_blocks(heads: int) -> int:
 
 
 def fake_arguments(d_qk: int, heads: int, layout: str, deterministic: bool = False,
-                   fixed_point: bool = False, fused_stats: bool = False) -> dict[str, object]:
+                   fixed_point: bool = False) -> dict[str, object]:
     """Dynamic-shape stand-ins for every argument, in call order.
 
     ``s_q``, ``s_kv`` and ``topk`` are run-time; heads and head dims are compile-time. The last
@@ -1028,9 +1018,6 @@ def fake_arguments(d_qk: int, heads: int, layout: str, deterministic: bool = Fal
     ``deterministic``: ``dkv_rows`` [s_q * topk, head blocks, D] bf16 instead of ``dkv_acc``
     (row strides run-time multiples of 8 elements); with ``fixed_point`` too, ``dkv_fixed``
     [s_kv + 1, D + 8] int32 instead (row stride a run-time multiple of 4 words).
-    ``fused_stats`` (a main kernel that computes the preprocess's row statistics itself): ``out``
-    after ``kv``, ``lse`` and ``attn_sink`` in place of ``lse_sink`` and ``delta``, and ``d_sink``
-    [H] fp32 after ``dkv_acc``.
     """
     check_params(d_qk, heads, layout)
     s_q, s_kv, topk = run_time_sizes()
@@ -1039,22 +1026,16 @@ def fake_arguments(d_qk: int, heads: int, layout: str, deterministic: bool = Fal
     args: dict[str, object] = {
         "q": fake(BFloat16, (s_q, heads, d_qk), (vec_stride(), vec_stride(), 1), 16),
         "kv": fake(BFloat16, (s_kv, d_qk), (vec_stride(), 1), 16),
-    }
-    if fused_stats:
-        args["out"] = fake(BFloat16, (s_q, heads, D_V), (vec_stride(), vec_stride(), 1), 16)
-    args |= {
         "dout": fake(BFloat16, (s_q, heads, D_V), (vec_stride(), vec_stride(), 1), 16),
         "topk_idxs": fake(Int32, (s_q, topk), (cute.sym_int64(), 1), 4),
     }
     if layout == "compact":
         args["topk_length"] = fake(Int32, (s_q,), (cute.sym_int64(),), 4)
-    if fused_stats:
-        args |= {"lse": fake(Float32, (s_q, heads), (cute.sym_int64(), 1), 4),
-                 "attn_sink": fake(Float32, (heads,), (1,), 4)}
-    else:
-        args |= {"lse_sink": fake(Float32, (s_q, heads), (cute.sym_int64(), 1), 4),
-                 "delta": fake(Float32, (s_q, heads), (cute.sym_int64(), 1), 4)}
-    args["dq"] = fake(BFloat16, (s_q, heads, d_qk), (vec_stride(), vec_stride(), 1), 16)
+    args |= {
+        "lse_sink": fake(Float32, (s_q, heads), (cute.sym_int64(), 1), 4),
+        "delta": fake(Float32, (s_q, heads), (cute.sym_int64(), 1), 4),
+        "dq": fake(BFloat16, (s_q, heads, d_qk), (vec_stride(), vec_stride(), 1), 16),
+    }
     if deterministic and fixed_point:  # the fixed-point sums, scales, maxima, control row
         args["dkv_fixed"] = fake(Int32, (cute.sym_int32(symbol="kv_rows"), row_words(d_qk)),
                                  (cute.sym_int64(divisibility=4), 1), 16)
@@ -1063,8 +1044,6 @@ def fake_arguments(d_qk: int, heads: int, layout: str, deterministic: bool = Fal
                                            d_qk), (vec_stride(), vec_stride(), 1), 16)
     else:  # 16-byte aligned rows for the 4-wide atomics
         args["dkv_acc"] = fake(Float32, (s_kv, d_qk), (cute.sym_int64(divisibility=4), 1), 16)
-    if fused_stats:
-        args["d_sink"] = fake(Float32, (heads,), (1,), 4)
     args["softmax_scale"] = Float32(1.0)
     if deterministic and fixed_point:  # the launch's query rows, and whether it only measures
         args |= {"row_start": Int32(0), "row_step": Int32(1), "row_count": Int32(0),
@@ -1108,29 +1087,20 @@ def compile_flavour(entries: dict[tuple, type], module_impl: str, check,
                     deterministic: bool) -> tuple[object, dict[str, object]]:
     """``cute.compile`` the entry class ``entries[deterministic, layout]`` of a flavour module
     whose flavour is ``module_impl`` (``entries[True, layout, True]`` for ``impl=module_impl +
-    "_fixed"``, the fixed-point deterministic mode, and ``entries[False, layout, "fused"]`` for
-    ``impl=module_impl + "_fused"``, the fast mode with the preprocess's statistics in the
-    kernel, where the module has them): refuses another ``impl``, then parameters that
-    ``check(d_qk, heads, layout, arch)`` refuses. Returns the compiled function and the fake
-    arguments it was compiled with."""
-    variants = {module_impl + "_fixed": (True, layout, True),
-                module_impl + "_fused": (False, layout, "fused")}
-    own = [module_impl] + [name for name, key in variants.items() if key in entries]
-    if impl not in own:
-        raise ValueError(f"impl={impl!r}: this module builds "
-                         + " or ".join(f"impl={name!r}" for name in own)
-                         + "; compile_bwd_main builds the others")
-    if impl == module_impl + "_fixed" and not deterministic:
+    "_fixed"``, the fixed-point deterministic mode, where the module has one): refuses another
+    ``impl``, then parameters that ``check(d_qk, heads, layout, arch)`` refuses. Returns the
+    compiled function and the fake arguments it was compiled with."""
+    fixed = impl == module_impl + "_fixed" and (True, layout, True) in entries
+    if impl != module_impl and not fixed:
+        raise ValueError(f"impl={impl!r}: this module builds impl={module_impl!r}"
+                         + (f" or {module_impl + '_fixed'!r}" if (True, layout, True) in entries
+                            else "") + "; compile_bwd_main builds the others")
+    if fixed and not deterministic:
         raise ValueError(f"impl={impl!r} is a deterministic mode: pass deterministic=True, or "
                          f"impl={module_impl!r} for the fast mode")
-    if impl == module_impl + "_fused" and deterministic:
-        raise ValueError(f"impl={impl!r} is a fast mode: its deterministic mode is "
-                         f"impl={module_impl!r} with deterministic=True")
     check(d_qk, heads, layout, arch)
-    entry = entries[variants[impl]] if impl != module_impl else entries[deterministic, layout]
-    fixed = impl == module_impl + "_fixed"
-    fakes = fake_arguments(d_qk, heads, layout, deterministic, fixed,
-                           getattr(entry, "FUSED_STATS", False))
+    entry = entries[(True, layout, True)] if fixed else entries[deterministic, layout]
+    fakes = fake_arguments(d_qk, heads, layout, deterministic, fixed)
     extra = {"fixed_point": True} if fixed else {}
     kernel = entry(d_qk, heads, layout, atomic_width=atomic_width, scatter=scatter,
                    deterministic=deterministic, **extra)

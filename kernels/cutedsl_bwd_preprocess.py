@@ -59,6 +59,11 @@ class SparseMlaBwdPreprocess:
                              "(added in nvidia-cutlass-dsl 4.6); build with use_isfinite=False")
         self.use_isfinite = use_isfinite
 
+    def _finite(self, x: Float32) -> Boolean:
+        if self.use_isfinite:
+            return Boolean(cute.math.isfinite(x))
+        return (x != Float32(_INF)) & (x != Float32(-_INF))
+
     @cute.jit
     def __call__(self, out: cute.Tensor, dout: cute.Tensor, lse: cute.Tensor,
                  attn_sink: cute.Tensor, delta: cute.Tensor, lse_sink: cute.Tensor,
@@ -113,50 +118,31 @@ class SparseMlaBwdPreprocess:
     def row(self, out: cute.Tensor, dout: cute.Tensor, lse: cute.Tensor, delta: cute.Tensor,
             lse_sink: cute.Tensor, sink: Float32, t: Int32, h: Int32, lane: Int32) -> Float32:
         """Write ``delta`` and ``lse_sink`` of ``(t, h)``; return ``p_sink * delta``."""
-        dot = row_dot(out[t, h, None], dout[t, h, None], lane)
-        merged, p_sink = sink_terms(lse[t, h], sink, self.use_isfinite)
+        o_row = out[t, h, None]
+        g_row = dout[t, h, None]
+        dot = Float32(0.0)
+        for k in cutlass.range_constexpr(D_V // (32 * VEC)):
+            o_vec = cute.local_tile(o_row, (VEC,), (lane + 32 * k,)).load().to(Float32)
+            g_vec = cute.local_tile(g_row, (VEC,), (lane + 32 * k,)).load().to(Float32)
+            dot = dot + (o_vec * g_vec).reduce(cute.ReductionOp.ADD, Float32(0.0),
+                                              reduction_profile=0)
+        dot = cute.arch.warp_reduction_sum(dot)
+
+        row_lse = lse[t, h]
+        top = cutlass.max(row_lse, sink)
+        merged = top  # an infinite max is already logaddexp; never shift by it
+        if self._finite(top):
+            merged = top + cute.math.log(cute.math.exp(row_lse - top)
+                                         + cute.math.exp(sink - top))
+        p_sink = Float32(0.0)
+        if sink == Float32(_INF):
+            p_sink = Float32(1.0)
+        elif self._finite(sink) & self._finite(merged):
+            p_sink = cute.math.exp(sink - merged)
         if lane == 0:
             delta[t, h] = dot
             lse_sink[t, h] = merged
         return p_sink * dot
-
-
-def _finite(x: Float32, use_isfinite: bool) -> Boolean:
-    """Whether ``x`` is finite (not NaN-aware: both spellings agree on every non-NaN input)."""
-    if use_isfinite:
-        return Boolean(cute.math.isfinite(x))
-    return (x != Float32(_INF)) & (x != Float32(-_INF))
-
-
-@cute.jit
-def row_dot(o_row: cute.Tensor, g_row: cute.Tensor, lane: Int32) -> Float32:
-    """``sum_d o_row[d] * g_row[d]`` over the 512 values of one (query row, head), by one warp
-    (each lane two 16-byte vectors of each), fp32, the warp's sum in every lane. One order of
-    operations for every kernel that computes ``delta``, so they agree bit for bit."""
-    dot = Float32(0.0)
-    for k in cutlass.range_constexpr(D_V // (32 * VEC)):
-        o_vec = cute.local_tile(o_row, (VEC,), (lane + 32 * k,)).load().to(Float32)
-        g_vec = cute.local_tile(g_row, (VEC,), (lane + 32 * k,)).load().to(Float32)
-        dot = dot + (o_vec * g_vec).reduce(cute.ReductionOp.ADD, Float32(0.0),
-                                          reduction_profile=0)
-    return cute.arch.warp_reduction_sum(dot)
-
-
-@cute.jit
-def sink_terms(row_lse: Float32, sink: Float32,
-               use_isfinite: cutlass.Constexpr) -> tuple[Float32, Float32]:
-    """``(lse_sink, p_sink)`` of one (query row, head) from its KV-only ``lse`` and the head's
-    ``sink`` (the module docstring's definitions; an infinite max is never shifted by)."""
-    top = cutlass.max(row_lse, sink)
-    merged = top  # an infinite max is already logaddexp; never shift by it
-    if _finite(top, use_isfinite):
-        merged = top + cute.math.log(cute.math.exp(row_lse - top) + cute.math.exp(sink - top))
-    p_sink = Float32(0.0)
-    if sink == Float32(_INF):
-        p_sink = Float32(1.0)
-    elif _finite(sink, use_isfinite) & _finite(merged, use_isfinite):
-        p_sink = cute.math.exp(sink - merged)
-    return merged, p_sink
 
 
 class SparseMlaBwdPreprocessDeterministic(SparseMlaBwdPreprocess):

@@ -74,14 +74,11 @@ from dsa_aot.kernels.cutedsl_fixed_point import (add_fixed, chunk_max, fixed_sca
                                                  fold_max, launch_skipped)
 from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, LAYOUTS, VEC, wg_acc_as_a,
                                             wg_rows_cols)
-from dsa_aot.kernels.cutedsl_bwd_preprocess import row_dot, sink_terms
 
 #: The ``impl`` name of this flavour (the build's ``tile.flavour``), and of its deterministic
 #: mode with fixed-point adds (the default deterministic mode stores rows).
 IMPL = "wgmma_ws"
 FIXED_IMPL = "wgmma_ws_fixed"
-#: The fast mode that computes the preprocess's row statistics itself (no preprocess launch).
-FUSED_IMPL = "wgmma_ws_fused"
 #: Head counts this flavour supports (whole 64-head blocks).
 HEADS = (64, 128)
 WG_THREADS = 128
@@ -90,12 +87,8 @@ THREADS = 2 * WG_THREADS
 TILE = 64
 #: dQ column tiles of warpgroup 0 (the rest are warpgroup 1's).
 SCORE_DQ_TILES = 4
-#: Named barriers (0 is __syncthreads): the three hand-offs, warpgroup 0's own, and the fast
-#: mode's row statistics (warpgroup 1 -> warpgroup 0, once a CTA).
-BAR_PDS_FULL, BAR_PDS_EMPTY, BAR_KV_EMPTY, BAR_SCORE, BAR_STATS = 1, 2, 3, 4, 5
-#: Heads whose ``out`` . ``dout`` dot products a warp of warpgroup 1 has in flight at once (16
-#: registers each): the row statistics take two rounds of memory latency, not sixteen.
-STATS_GROUP = 8
+#: Named barriers (0 is __syncthreads): the three hand-offs, and warpgroup 0's own.
+BAR_PDS_FULL, BAR_PDS_EMPTY, BAR_KV_EMPTY, BAR_SCORE = 1, 2, 3, 4
 
 assert main.THREADS == THREADS and main.BLOCK_H == TILE and main.BLOCK_N == TILE
 
@@ -195,10 +188,6 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
     """The backward main kernel with a score and a dKV warpgroup, for one ``(d_qk, heads,
     layout)``."""
 
-    #: Whether the entry computes the preprocess's row statistics itself (the fast mode's entries:
-    #: :meth:`row_stats`); the deterministic entries read ``lse_sink`` and ``delta``.
-    FUSED_STATS = False
-
     def __init__(self, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
                  scatter: bool = True, deterministic: bool = False,
                  fixed_point: bool = False) -> None:
@@ -225,13 +214,10 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
     def launch(self, q: cute.Tensor, kv: cute.Tensor, dout: cute.Tensor, topk_idxs: cute.Tensor,
                topk_length: cute.Tensor, lse_sink: cute.Tensor, delta: cute.Tensor,
                dq: cute.Tensor, dkv_acc: cute.Tensor, softmax_scale: Float32,
-               stream: cuda.CUstream, rows: tuple | None = None,
-               stats: tuple | None = None) -> None:
+               stream: cuda.CUstream, rows: tuple | None = None) -> None:
         """``rows`` (the fixed-point mode): ``(row_start, row_step, row_count, fixed_measure)``,
         the query rows ``row_start + i row_step`` for ``i < row_count`` of the whole tensors, and
-        whether this launch only measures (:meth:`kernel_measure`). ``stats`` (the fast mode):
-        ``(out, attn_sink, d_sink)``, the kernel computing each row's statistics itself
-        (:meth:`kernel_ws_stats`; ``lse_sink`` is then the forward's ``lse``)."""
+        whether this launch only measures (:meth:`kernel_measure`)."""
         g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                   BFloat16, num_bits_per_copy=128)
         vecs = TILE // VEC
@@ -263,26 +249,17 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                     lay["dout_t"], lay["kv_t"], lay["p_t"], row_copy, mma_s, mma_dq_rs, mma_dq_ss,
                     mma_kv), SharedStorage
 
-        self.launch_rows(kernel_args, cute.size(q, mode=[0]), self.heads // BLOCK_H, rows, stream,
-                         stats)
+        self.launch_rows(kernel_args, cute.size(q, mode=[0]), self.heads // BLOCK_H, rows, stream)
 
     @cute.jit
     def launch_rows(self, kernel_args, s_q_rows: Int32, n_hb: cutlass.Constexpr,
-                    rows: tuple | None, stream: cuda.CUstream,
-                    stats: tuple | None = None) -> None:
-        """Launch :meth:`kernel_ws` (:meth:`kernel_ws_stats` with ``stats``) over every query row
-        (``s_q_rows``), or :meth:`kernel_rows`
+                    rows: tuple | None, stream: cuda.CUstream) -> None:
+        """Launch :meth:`kernel_ws` over every query row (``s_q_rows``), or :meth:`kernel_rows`
         (:meth:`kernel_measure` for a measuring launch) over ``rows`` (the fixed-point mode,
         never empty), ``n_hb`` CTAs a row;
         ``kernel_args()``: the kernel's arguments and shared storage (made where they are
         used: a struct cannot cross a run-time ``if``)."""
-        if cutlass.const_expr(rows is None and stats is not None):
-            if s_q_rows > 0:
-                args, SharedStorage = kernel_args()
-                self.kernel_ws_stats(*args, *stats, SharedStorage).launch(
-                    grid=[s_q_rows * n_hb, 1, 1], block=[THREADS, 1, 1],
-                    smem=SharedStorage.size_in_bytes(), stream=stream)
-        elif cutlass.const_expr(rows is None):
+        if cutlass.const_expr(rows is None):
             if s_q_rows > 0:
                 args, SharedStorage = kernel_args()
                 self.kernel_ws(*args, SharedStorage).launch(
@@ -321,26 +298,6 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                     s_q_layout, s_do_layout, s_kv_layout, s_p_layout, s_qt_layout, s_dot_layout,
                     s_kt_layout, s_pt_layout, row_copy, mma_s, mma_dq_rs, mma_dq_ss, mma_kv,
                     SharedStorage)
-
-    @cute.kernel
-    def kernel_ws_stats(self, m_q: cute.Tensor, m_kv: cute.Tensor, m_do: cute.Tensor,
-                        m_idx: cute.Tensor, m_len: cute.Tensor, m_lse: cute.Tensor,
-                        m_delta: cute.Tensor, m_dq: cute.Tensor, m_dkv: cute.Tensor,
-                        softmax_scale: Float32, s_q_layout: cute.ComposedLayout,
-                        s_do_layout: cute.ComposedLayout, s_kv_layout: cute.ComposedLayout,
-                        s_p_layout: cute.ComposedLayout, s_qt_layout: cute.ComposedLayout,
-                        s_dot_layout: cute.ComposedLayout, s_kt_layout: cute.ComposedLayout,
-                        s_pt_layout: cute.ComposedLayout, row_copy: cute.TiledCopy,
-                        mma_s: cute.TiledMma, mma_dq_rs: cute.TiledMma,
-                        mma_dq_ss: cute.TiledMma, mma_kv: cute.TiledMma, m_out: cute.Tensor,
-                        m_sink: cute.Tensor, m_dsink: cute.Tensor,
-                        SharedStorage: cutlass.Constexpr) -> None:
-        """The fast mode's entry: :meth:`kernel_ws` with ``m_lse`` the forward's ``lse`` and each
-        CTA's row statistics computed by its warpgroup 1 (:meth:`row_stats`; no preprocess)."""
-        self.cta_ws(m_q, m_kv, m_do, m_idx, m_len, m_lse, m_delta, m_dq, m_dkv, softmax_scale,
-                    s_q_layout, s_do_layout, s_kv_layout, s_p_layout, s_qt_layout, s_dot_layout,
-                    s_kt_layout, s_pt_layout, row_copy, mma_s, mma_dq_rs, mma_dq_ss, mma_kv,
-                    SharedStorage, None, (m_out, m_sink, m_dsink))
 
     @cute.kernel
     def kernel_rows(self, m_q: cute.Tensor, m_kv: cute.Tensor, m_do: cute.Tensor,
@@ -394,10 +351,9 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                s_pt_layout: cute.ComposedLayout, row_copy: cute.TiledCopy,
                mma_s: cute.TiledMma, mma_dq_rs: cute.TiledMma,
                mma_dq_ss: cute.TiledMma, mma_kv: cute.TiledMma,
-               SharedStorage: cutlass.Constexpr, rows: tuple | None = None,
-               stats: tuple | None = None) -> None:
+               SharedStorage: cutlass.Constexpr, rows: tuple | None = None) -> None:
         """One CTA's query row and head block; ``rows``: ``(row_start, row_step, measure)`` of
-        :meth:`kernel_rows`; ``stats``: ``(out, attn_sink, d_sink)`` of :meth:`kernel_ws_stats`."""
+        :meth:`kernel_rows`."""
         d = self.d_qk
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
@@ -423,9 +379,8 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                                    self.cta_heads, self.fixed_point)
 
         # ---- q, dout -> shared, lse / delta; warpgroup 0 gathers block 0 ----
-        # (the extra argument only where it is given: the slot-major subclass has no stats mode)
         self.load_query_row(t, hb, m_q, m_do, m_lse, m_delta, smem_views, row_copy, tidx, wtid,
-                            wg, *([] if stats is None else [False]))
+                            wg)
         cute.arch.cp_async_commit_group()
         gather_args = self.kv_gather_args(m_kv, smem_views["kv"], smem_views["idx"],
                                           smem_views["valid"], wtid // (TILE // VEC), wtid)
@@ -440,61 +395,27 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
 
         if wg == 0:
             self.score_warpgroup(t, hb, n_blocks, n_slots, m_idx, m_dq, softmax_scale, smem_views,
-                                 gather_args, mma_s, mma_dq_rs, wtid,
-                                 *([] if stats is None else [True]))
+                                 gather_args, mma_s, mma_dq_rs, wtid)
         else:
-            if cutlass.const_expr(stats is not None):
-                self.row_stats(t, hb, stats[0], m_do, m_lse, stats[1], stats[2], smem_views, wtid)
-                cute.arch.barrier_arrive(barrier_id=BAR_STATS, number_of_threads=THREADS)
             self.dkv_warpgroup(t, hb, n_blocks, topk, m_dq, m_dkv, smem_views, mma_dq_ss,
                                mma_kv, wtid, measure)
 
     @cute.jit
     def load_query_row(self, t: Int32, hb: Int32, m_q: cute.Tensor, m_do: cute.Tensor,
                        m_lse: cute.Tensor, m_delta: cute.Tensor, sm: dict,
-                       row_copy: cute.TiledCopy, tidx: Int32, wtid: Int32, wg: Int32,
-                       stats: cutlass.Constexpr = True) -> None:
+                       row_copy: cute.TiledCopy, tidx: Int32, wtid: Int32, wg: Int32) -> None:
         """Issue the ``cp.async`` copies of row ``t``'s ``q`` and ``dout`` (head block ``hb``),
-        all threads, and store its ``lse`` (base 2) and ``delta`` (no commit; not with ``stats``
-        false: :meth:`row_stats` computes them)."""
+        all threads, and store its ``lse`` (base 2) and ``delta`` (no commit)."""
         thr_row = row_copy.get_slice(tidx)
         self.load_row(t, hb, m_q, m_do, m_lse, m_delta, sm["q"], sm["do"], sm["lse"],
-                      sm["delta"], thr_row, row_copy, tidx // (TILE // VEC), tidx, stats)
-
-    @cute.jit
-    def row_stats(self, t: Int32, hb: Int32, m_out: cute.Tensor, m_do: cute.Tensor,
-                  m_lse: cute.Tensor, m_sink: cute.Tensor, m_dsink: cute.Tensor, sm: dict,
-                  wtid: Int32) -> None:
-        """The preprocess's work for query row ``t`` and head block ``hb``, by warpgroup 1 while
-        warpgroup 0 scores block 0: per head, ``delta`` (:func:`row_dot`, the preprocess's order
-        of operations, so the same bits) and ``lse_sink`` (:func:`sink_terms`) into shared
-        memory (``lse_sink`` in base 2), and ``-p_sink delta`` added to ``d_sink``. Each warp
-        takes 16 heads, :data:`STATS_GROUP` loads in flight at a time."""
-        lane = wtid % 32
-        per_warp = self.cta_heads // (WG_THREADS // 32)
-        first = (wtid // 32) * per_warp
-        for g in cutlass.range_constexpr(per_warp // STATS_GROUP):
-            local = [first + g * STATS_GROUP + i for i in range(STATS_GROUP)]
-            dots = [row_dot(m_out[t, hb * self.cta_heads + h, None],
-                            m_do[t, hb * self.cta_heads + h, None], lane) for h in local]
-            for i in cutlass.range_constexpr(STATS_GROUP):
-                head = hb * self.cta_heads + local[i]
-                merged, p_sink = sink_terms(m_lse[t, head], m_sink[head], False)
-                if lane == 0:
-                    sm["lse"][local[i]] = merged * Float32(LOG2E)
-                    sm["delta"][local[i]] = dots[i]
-                    cute.arch.atomic_add((m_dsink.iterator + head).llvm_ptr,
-                                         Float32(0.0) - p_sink * dots[i])
+                      sm["delta"], thr_row, row_copy, tidx // (TILE // VEC), tidx)
 
     @cute.jit
     def score_warpgroup(self, t: Int32, hb: Int32, n_blocks: Int32, n_slots: Int32,
                         m_idx: cute.Tensor, m_dq: cute.Tensor, softmax_scale: Float32,
                         sm: dict, gather_args: list, mma_s: cute.TiledMma,
-                        mma_dq: cute.TiledMma, wtid: Int32,
-                        fused_stats: cutlass.Constexpr = False) -> None:
-        """Warpgroup 0 over the row's blocks: S, dP, P, dS, its dQ tiles, the gathers;
-        ``fused_stats``: the row's ``lse`` and ``delta`` come from warpgroup 1
-        (:meth:`row_stats`), waited for once block 0's score GEMMs are done."""
+                        mma_dq: cute.TiledMma, wtid: Int32) -> None:
+        """Warpgroup 0 over the row's blocks: S, dP, P, dS, its dQ tiles, the gathers."""
         d = self.d_qk
         scale_log2 = softmax_scale * Float32(LOG2E)
         mma_dq.set(warpgroup.Field.ACCUMULATE, True)
@@ -523,10 +444,8 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         t_s_ds_c = thr_store_c.partition_D(sm["ds"])
         s_valid = sm["valid"]
         row_in_pass = wtid // (TILE // VEC)
-        lse_r, delta_r = [], []
-        if cutlass.const_expr(not fused_stats):
-            lse_r = [sm["lse"][coords[r, 0][0]] for r in range(rows_per_thread)]
-            delta_r = [sm["delta"][coords[r, 0][0]] for r in range(rows_per_thread)]
+        lse_r = [sm["lse"][coords[r, 0][0]] for r in range(rows_per_thread)]
+        delta_r = [sm["delta"][coords[r, 0][0]] for r in range(rows_per_thread)]
 
         for b in cutlass.range(n_blocks, unroll=1):
             buf = (b % 2) * BLOCK_N
@@ -538,24 +457,18 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
 
             # S = Q K^T and dP = dO V^T, interleaved k-steps; k = 0 overwrites (scale-d 0)
             acc_s, acc_dp = score_gemms(mma_s, acc_shape, r_q, r_do, r_k, d)
-            lse_b, delta_b = lse_r, delta_r
-            if cutlass.const_expr(fused_stats):
-                if b == 0:
-                    cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=THREADS)
-                lse_b = [sm["lse"][coords[r, 0][0]] for r in range(rows_per_thread)]
-                delta_b = [sm["delta"][coords[r, 0][0]] for r in range(rows_per_thread)]
 
             acc_s_rc = wg_rows_cols(acc_s)
             acc_dp_rc = wg_rows_cols(acc_dp)
             col_ok = [s_valid[buf + coords[0, j][1]] for j in range(cols_per_thread)]
             for r in cutlass.range_constexpr(rows_per_thread):
                 for j in cutlass.range_constexpr(cols_per_thread):
-                    x = acc_s_rc[r, j] * scale_log2 - lse_b[r]
+                    x = acc_s_rc[r, j] * scale_log2 - lse_r[r]
                     if col_ok[j] == 0:
                         x = Float32(-_INF)
                     p = cute.math.exp2(x, fastmath=True)
                     acc_s_rc[r, j] = p
-                    acc_dp_rc[r, j] = p * (acc_dp_rc[r, j] - delta_b[r]) * softmax_scale
+                    acc_dp_rc[r, j] = p * (acc_dp_rc[r, j] - delta_r[r]) * softmax_scale
             r_p16 = cute.make_fragment_like(acc_s, BFloat16)
             r_p16.store(acc_s.load().to(BFloat16))
             r_ds16 = cute.make_fragment_like(acc_dp, BFloat16)
@@ -585,9 +498,6 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                 self.gather(upcoming, BLOCK_N - buf, *gather_args)
                 cute.arch.cp_async_commit_group()
 
-        if cutlass.const_expr(fused_stats):
-            if n_blocks == 0:  # no block waited for warpgroup 1's statistics: meet it here
-                cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=THREADS)
         self.store_dq(t, hb, m_dq, acc_dq, thr_dq, 0)
 
     @cute.jit
@@ -738,37 +648,6 @@ class SparseMlaBwdWsNoncompact(SparseMlaBwdWs, SparseMlaBwdMainNoncompact):
     """Entry point of the noncompact layout (padding marked by out-of-range indices)."""
 
 
-class SparseMlaBwdWsFusedCompact(SparseMlaBwdWs):
-    """Entry point of ``impl="wgmma_ws_fused"``, compact layout (``topk_length`` given): the
-    preprocess's statistics computed in the kernel (``out``, the forward's ``lse``, ``attn_sink``
-    in; ``d_sink`` added to; no ``lse_sink`` or ``delta``)."""
-
-    FUSED_STATS = True
-
-    @cute.jit
-    def __call__(self, q: cute.Tensor, kv: cute.Tensor, out: cute.Tensor, dout: cute.Tensor,
-                 topk_idxs: cute.Tensor, topk_length: cute.Tensor, lse: cute.Tensor,
-                 attn_sink: cute.Tensor, dq: cute.Tensor, dkv_acc: cute.Tensor,
-                 d_sink: cute.Tensor, softmax_scale: Float32, stream: cuda.CUstream) -> None:
-        self.launch(q, kv, dout, topk_idxs, topk_length, lse, lse, dq, dkv_acc, softmax_scale,
-                    stream, None, (out, attn_sink, d_sink))
-
-
-class SparseMlaBwdWsFusedNoncompact(SparseMlaBwdWs):
-    """Entry point of ``impl="wgmma_ws_fused"``, noncompact layout (padding marked by
-    out-of-range indices; see :class:`SparseMlaBwdWsFusedCompact`)."""
-
-    FUSED_STATS = True
-
-    @cute.jit
-    def __call__(self, q: cute.Tensor, kv: cute.Tensor, out: cute.Tensor, dout: cute.Tensor,
-                 topk_idxs: cute.Tensor, lse: cute.Tensor, attn_sink: cute.Tensor,
-                 dq: cute.Tensor, dkv_acc: cute.Tensor, d_sink: cute.Tensor,
-                 softmax_scale: Float32, stream: cuda.CUstream) -> None:
-        self.launch(q, kv, dout, topk_idxs, topk_idxs, lse, lse, dq, dkv_acc, softmax_scale,
-                    stream, None, (out, attn_sink, d_sink))
-
-
 class SparseMlaBwdWsCompactDeterministic(DeterministicCompactEntry, SparseMlaBwdWs):
     """Entry point of the deterministic mode (stored rows), compact layout."""
 
@@ -791,12 +670,10 @@ def compile_bwd_ws(arch: str, d_qk: int, heads: int, layout: str, atomic_width: 
     """``cute.compile`` this kernel for ``arch`` (sm_90a; ``CUTE_DSL_ARCH`` set before import).
     Returns the compiled function and the fake arguments (those of
     :func:`~dsa_aot.kernels.cutedsl_bwd_main.fake_arguments`) it was compiled with. ``impl`` is
-    the build's flavour name, this module's (:data:`IMPL`, :data:`FUSED_IMPL` for the fast mode
-    without a preprocess, or :data:`FIXED_IMPL` for the fixed-point deterministic mode)."""
+    the build's flavour name, this module's (:data:`IMPL`, or :data:`FIXED_IMPL` for the
+    fixed-point deterministic mode)."""
     entries = {(False, "compact"): SparseMlaBwdWsCompact,
                (False, "noncompact"): SparseMlaBwdWsNoncompact,
-               (False, "compact", "fused"): SparseMlaBwdWsFusedCompact,
-               (False, "noncompact", "fused"): SparseMlaBwdWsFusedNoncompact,
                (True, "compact"): SparseMlaBwdWsCompactDeterministic,
                (True, "noncompact"): SparseMlaBwdWsNoncompactDeterministic,
                (True, "compact", True): SparseMlaBwdWsCompactFixedPoint,
@@ -805,8 +682,7 @@ def compile_bwd_ws(arch: str, d_qk: int, heads: int, layout: str, atomic_width: 
                            scatter, impl, extra_options, deterministic)
 
 
-__all__ = ["FIXED_IMPL", "FUSED_IMPL", "HEADS", "IMPL", "SparseMlaBwdWs", "SparseMlaBwdWsCompact",
-           "SparseMlaBwdWsCompactDeterministic", "SparseMlaBwdWsFusedCompact",
-           "SparseMlaBwdWsFusedNoncompact", "SparseMlaBwdWsNoncompact",
+__all__ = ["FIXED_IMPL", "HEADS", "IMPL", "SparseMlaBwdWs", "SparseMlaBwdWsCompact",
+           "SparseMlaBwdWsCompactDeterministic", "SparseMlaBwdWsNoncompact",
            "SparseMlaBwdWsNoncompactDeterministic", "LAYOUT_ORDER",
            "can_implement", "check_params", "compile_bwd_ws", "ws_smem_layouts", "ws_smem_views"]

@@ -32,11 +32,9 @@ STAGE_PARAMS: dict[str, frozenset[str]] = {
                       "softmax_scale", "s_q", "s_kv", "topk"}),
     "bwd_preprocess": frozenset({"out", "dout", "lse", "attn_sink", "delta", "lse_sink", "d_sink",
                                  "d_sink_acc", "softmax_scale", "s_q"}),
-    # (out, lse, attn_sink, d_sink: a main stage that computes the preprocess's statistics itself)
     "bwd_main": frozenset({"q", "kv", "dout", "topk_idxs", "topk_length", "lse_sink", "delta", "dq",
                            "dkv_acc", "dkv_rows", "dkv_fixed", "softmax_scale", "s_q", "s_kv", "topk",
-                           "row_start", "row_step", "row_count", "fixed_measure", "out", "lse",
-                           "attn_sink", "d_sink"}),
+                           "row_start", "row_step", "row_count", "fixed_measure"}),
     "bwd_postprocess": frozenset({"dkv_acc", "dkv_rows", "row_order", "row_offsets", "dkv",
                                   "d_sink_acc", "d_sink", "row_group", "s_kv", "dkv_fixed",
                                   "fixed_step", "fixed_bound"}),

@@ -122,15 +122,9 @@ def test_published_manifest(built: dict, arch: str) -> None:
         "out", "dout", "lse", "attn_sink", "delta", "lse_sink", "d_sink", "stream"]
     assert [a.name for a in _record(manifest.stage("bwd_postprocess")).args] == ["dkv_acc", "dkv", "stream"]
     main = _record(manifest.stage("bwd_main"))
-    compact = ["topk_length"] if manifest.spec.layout == "compact" else []
-    if main.impl == "wgmma_ws_fused":  # computes the preprocess's statistics itself
-        assert [a.name for a in main.args] == [
-            "q", "kv", "out", "dout", "topk_idxs", *compact, "lse", "attn_sink", "dq", "dkv_acc",
-            "d_sink", "softmax_scale", "stream"]
-    else:
-        assert [a.name for a in main.args] == [
-            "q", "kv", "dout", "topk_idxs", *compact, "lse_sink", "delta", "dq", "dkv_acc",
-            "softmax_scale", "stream"]
+    assert [a.name for a in main.args] == [
+        "q", "kv", "dout", "topk_idxs", *(["topk_length"] if manifest.spec.layout == "compact" else []),
+        "lse_sink", "delta", "dq", "dkv_acc", "softmax_scale", "stream"]
     assert (main.d_qk, main.heads, main.layout, main.impl) == (
         manifest.spec.d_qk, manifest.spec.heads, manifest.spec.layout,
         bwd_main_default_impl(arch, manifest.spec.heads))

@@ -84,14 +84,9 @@ def cpu_built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Cute
     return out, build_cutedsl([main_request(*v) for v in _CPU_VARIANTS], out)
 
 
-def _tensors(layout: str, impl: str | None = None) -> list[str]:
-    """The tensor arguments of a main stage; ``wgmma_ws_fused`` computes the row statistics
-    itself (the preprocess's inputs in, ``d_sink`` added to)."""
-    compact = ["topk_length"] if layout == "compact" else []
-    if impl == "wgmma_ws_fused":
-        return (["q", "kv", "out", "dout", "topk_idxs"] + compact
-                + ["lse", "attn_sink", "dq", "dkv_acc", "d_sink"])
-    return ["q", "kv", "dout", "topk_idxs"] + compact + ["lse_sink", "delta", "dq", "dkv_acc"]
+def _tensors(layout: str) -> list[str]:
+    return (["q", "kv", "dout", "topk_idxs"] + (["topk_length"] if layout == "compact" else [])
+            + ["lse_sink", "delta", "dq", "dkv_acc"])
 
 
 @needs_cute_dsl
@@ -106,20 +101,19 @@ def test_export_abi_records_and_link(cpu_built: tuple[Path, list[CuteExportRecor
         assert (rec.kernel, rec.arch, rec.d_qk, rec.heads, rec.layout, rec.impl, rec.link) == (
             "bwd_main", arch, d_qk, heads, layout, flavour or bwd_main_default_impl(arch, heads), link)
         assert rec.kv_stages is None and rec.use_isfinite is None
-        names = _tensors(layout, rec.impl)
-        assert [a.name for a in rec.args] == names + ["softmax_scale", "stream"]
+        assert [a.name for a in rec.args] == _tensors(layout) + ["softmax_scale", "stream"]
         assert rec.args[-2].kind == "scalar" and rec.args[-2].dtype == "float32"
         folder = out / rec.name
         header = (folder / rec.header).read_text()
         packed = header.split(f"void *args[{len(rec.args) + 1}] = {{", 1)[1].split("};", 1)[0]
         assert [t.strip() for t in packed.split(",") if t.strip()] == (
-            names + ["&softmax_scale", "&stream", "&ret"])
+            _tensors(layout) + ["&softmax_scale", "&stream", "&ret"])
         assert "float softmax_scale" in header
         # q is [s_q, H, D] with only s_q at run time; strides of the two outer dims
         q_arg = rec.args[0]
         assert q_arg.dynamic_shape_dims == (0,) and q_arg.dynamic_stride_dims == (0, 1)
         assert (q_arg.shape[1].value, q_arg.shape[2].value) == (heads, d_qk)
-        dkv = rec.args[names.index("dkv_acc")]
+        dkv = rec.args[len(_tensors(layout)) - 1]
         assert dkv.name == "dkv_acc" and dkv.align == 16 and dkv.stride[0].divisibility == 4
         obj = (folder / rec.object_file).read_bytes()
         assert rec.symbols.entry.encode() in obj
@@ -141,8 +135,7 @@ def test_requests_are_validated() -> None:
                      impl="wgmma")
     with pytest.raises(ValueError, match="bwd_main has impl mma, wgmma, wgmma_slot_major, "
                                          "wgmma_ws, wgmma_ws_slot_major, wgmma_ws_fixed, "
-                                         "wgmma_ws_slot_major_fixed, wgmma_ws_fused, "
-                                         "not wgmma_split"):
+                                         "wgmma_ws_slot_major_fixed, not wgmma_split"):
         BuildRequest(kernel="bwd_main", arch="sm_90a", d_qk=576, heads=64, layout="compact",
                      impl="wgmma_split")
     with pytest.raises(ValueError, match="do not apply to kernel=bwd_main"):
@@ -155,7 +148,7 @@ def test_libraries_open_without_cutlass(cpu_built: tuple[Path, list[CuteExportRe
     """A fresh process opens every built library through the runtime (ctypes only)."""
     out, records = cpu_built
     assert open_without_cutlass(out / r.name for r in records) == [
-        ",".join(_tensors(r.layout, r.impl) + ["softmax_scale"]) for r in records]
+        ",".join(_tensors(r.layout) + ["softmax_scale"]) for r in records]
 
 
 @needs_cute_dsl
@@ -228,11 +221,11 @@ def test_full_sweep_builds(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 #: MMA flavours checked on the GPU (the specs' ``tile.flavour``); wgmma needs sm_90a.
-IMPLS = ("mma", "wgmma", "wgmma_slot_major", "wgmma_ws", "wgmma_ws_slot_major", "wgmma_ws_fused")
+IMPLS = ("mma", "wgmma", "wgmma_slot_major", "wgmma_ws", "wgmma_ws_slot_major")
 #: Head counts of the flavours that take only some (the others take every H).
 SLOT_MAJOR_HEADS = (16, 32)
 FLAVOUR_HEADS = {"wgmma_slot_major": SLOT_MAJOR_HEADS, "wgmma_ws": (64, 128),
-                 "wgmma_ws_slot_major": SLOT_MAJOR_HEADS, "wgmma_ws_fused": (64, 128)}
+                 "wgmma_ws_slot_major": SLOT_MAJOR_HEADS}
 #: ``DSA_AOT_GPU_TEST_IMPLS=wgmma_ws,...`` builds (and tests) only those flavours: each build
 #: costs GPU-machine time, and ``-k`` cannot narrow a module fixture.
 _GPU_IMPLS = tuple(i for i in os.environ.get("DSA_AOT_GPU_TEST_IMPLS", ",".join(IMPLS)).split(",")
@@ -382,25 +375,16 @@ def _loaded(gpu_backward: dict, d_qk: int, heads: int, layout: str, impl: str) -
     return kernel
 
 
-def _by_name(main: Any, tensors: dict[str, Any]) -> dict[str, Any]:
-    """The tensors a loaded main kernel takes, by its names (``wgmma_ws_fused`` takes the
-    preprocess's inputs, the others its outputs)."""
-    return {name: tensors[name] for name in main.tensor_names}
-
-
 def _run_main(main: Any, inp: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """The loaded main kernel alone (tensors by name) into a NaN-poisoned ``dq``."""
     q = inp["q"]
     dq = torch.full_like(q, float("nan"))
     dkv_acc = torch.zeros(inp["kv"].shape, device="cuda", dtype=torch.float32)
-    heads = q.shape[1]
-    sink = inp["sink"] if inp["sink"] is not None else torch.full((heads,), -float("inf"), device="cuda")
     tensors = {"q": q, "kv": inp["kv"], "dout": inp["dout"], "topk_idxs": inp["topk_idxs"],
-               "topk_length": inp["topk_length"], "lse_sink": inp["lse_sink"],
-               "delta": inp["delta"], "dq": dq, "dkv_acc": dkv_acc, "out": inp["out"],
-               "lse": inp["lse"], "attn_sink": sink,
-               "d_sink": torch.zeros(heads, device="cuda", dtype=torch.float32)}
-    main(**_by_name(main, tensors), softmax_scale=inp["scale"])
+               "lse_sink": inp["lse_sink"], "delta": inp["delta"], "dq": dq, "dkv_acc": dkv_acc}
+    if inp["topk_length"] is not None:
+        tensors["topk_length"] = inp["topk_length"]
+    main(**tensors, softmax_scale=inp["scale"])
     torch.cuda.synchronize()
     natural = dkv_acc[:, natural_order(dkv_acc.shape[1])]  # the accumulator's interleaved columns
     return dq, natural.to(torch.bfloat16)
@@ -457,8 +441,6 @@ def test_gpu_sink_plus_inf_gives_zero(gpu_backward: dict, impl: str) -> None:
     kernel = _loaded(gpu_backward, 576, heads, "compact", impl)
     inp = _case_inputs(8, 256, heads, 576, 128, "compact", seed=99, sinks="none")
     inp["lse_sink"] = torch.full_like(inp["lse_sink"], float("inf"))
-    if "attn_sink" in kernel.main.tensor_names:  # a main stage with its own statistics
-        inp["sink"] = torch.full_like(inp["sink"], float("inf"))
     dq, dkv = _run_main(kernel.main, inp)
     _log({"case": "sink=+inf", "impl": impl, "dq_absmax": dq.abs().max().item(),
           "dkv_absmax": dkv.float().abs().max().item()})
@@ -467,28 +449,6 @@ def test_gpu_sink_plus_inf_gives_zero(gpu_backward: dict, impl: str) -> None:
     full_dq, full_dkv, d_sink = _run_backward(kernel, inp)
     assert torch.count_nonzero(full_dq).item() == 0 and torch.count_nonzero(full_dkv).item() == 0
     assert torch.isfinite(d_sink).all()
-
-
-@pytest.mark.gpu
-@_needs_cuda
-@pytest.mark.parametrize("shape", [(576, 64, "compact"), (512, 128, "noncompact")])
-def test_gpu_fused_statistics_match_the_preprocess(gpu_backward: dict, shape: tuple) -> None:
-    """``wgmma_ws_fused`` (the row statistics in the kernel, no preprocess launch) against
-    ``wgmma_ws`` (the preprocess's): the same ``delta`` and ``lse_sink`` code, so ``dq`` (no
-    atomics) agrees to fp32 rounding at most; ``dkv`` and ``d_sink`` differ only by the order of
-    their atomics."""
-    d_qk, heads, layout = shape
-    ws = _loaded(gpu_backward, d_qk, heads, layout, "wgmma_ws")
-    fused = _loaded(gpu_backward, d_qk, heads, layout, "wgmma_ws_fused")
-    assert fused.fused_stats and not ws.fused_stats
-    inp = _case_inputs(24, 4096, heads, d_qk, 300, layout, seed=31)
-    dq_a, dkv_a, sink_a = _run_backward(ws, inp)
-    dq_b, dkv_b, sink_b = _run_backward(fused, inp)
-    entry = {"case": "fused statistics", "shape": list(shape), "dq_bitwise": torch.equal(dq_a, dq_b),
-             "dq_rel": _rel(dq_b, dq_a), "dkv_rel": _rel(dkv_b, dkv_a), "d_sink_rel": _rel(sink_b, sink_a)}
-    _log(entry)
-    assert torch.isfinite(dq_b).all() and torch.isfinite(dkv_b).all() and torch.isfinite(sink_b).all()
-    assert entry["dq_rel"] < 1e-5 and entry["dkv_rel"] < 1e-3 and entry["d_sink_rel"] < 1e-5, entry
 
 
 @pytest.mark.gpu
@@ -521,13 +481,9 @@ def time_kernel(main: Any, s_q: int, s_kv: int, heads: int, d_qk: int, topk: int
     tensors = {"q": q, "kv": kv, "dout": dout, "topk_idxs": idx,
                "lse_sink": torch.full((s_q, heads), 8.0, device="cuda"),
                "delta": torch.randn(s_q, heads, device="cuda", generator=g),
-               "dq": torch.empty_like(q), "dkv_acc": torch.zeros(s_kv, d_qk, device="cuda"),
-               "topk_length": torch.full((s_q,), topk, device="cuda", dtype=torch.int32),
-               "out": torch.randn(s_q, heads, 512, device="cuda", generator=g).to(torch.bfloat16),
-               "lse": torch.full((s_q, heads), 8.0, device="cuda"),
-               "attn_sink": torch.full((heads,), -float("inf"), device="cuda"),
-               "d_sink": torch.zeros(heads, device="cuda")}
-    tensors = _by_name(main, tensors)
+               "dq": torch.empty_like(q), "dkv_acc": torch.zeros(s_kv, d_qk, device="cuda")}
+    if main.record.layout == "compact":
+        tensors["topk_length"] = torch.full((s_q,), topk, device="cuda", dtype=torch.int32)
     for _ in range(3):
         main(**tensors, softmax_scale=d_qk ** -0.5)
     torch.cuda.synchronize()
@@ -548,7 +504,7 @@ def time_kernel(main: Any, s_q: int, s_kv: int, heads: int, d_qk: int, topk: int
 
 @pytest.mark.gpu
 @_needs_cuda
-@pytest.mark.parametrize("impl", ("mma", "wgmma", "wgmma_ws", "wgmma_ws_fused"))  # H64
+@pytest.mark.parametrize("impl", ("mma", "wgmma", "wgmma_ws"))  # the timing case is H64
 def test_gpu_timing(gpu_backward: dict, impl: str) -> None:
     """S_q 4096, S_kv 8192, H 64, D 576, K 2048 (compact, all slots valid)."""
     kernel = _loaded(gpu_backward, 576, 64, "compact", impl)

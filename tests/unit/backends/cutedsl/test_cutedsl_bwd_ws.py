@@ -8,11 +8,8 @@ specs, catalogs and the kernel module refuse other archs and other head counts b
 reads as MN-major operands alias its K-major tiles byte for byte, and one CTA's shared memory fits
 the 227 KiB of an sm_90a CTA. Four variants (both D, both H, both layouts) compile, export and
 link for sm_90a through :func:`dsa_aot.backends.cutedsl.build.build_cutedsl`: their records and C
-ABI equal the ``wgmma`` flavour's (same arguments, same descriptors), those of
-``impl=wgmma_ws_fused`` (two variants) take the preprocess's inputs (``out``, ``lse``,
-``attn_sink``) and add into ``d_sink`` in place of ``lse_sink`` and ``delta`` (the kernel computes
-the row statistics itself), a fresh process opens them without ``cutlass``, and the embedded
-cubins spill nothing (no local memory) within 255 registers.
+ABI equal the ``wgmma`` flavour's (same arguments, same descriptors), a fresh process opens them
+without ``cutlass``, and the embedded cubins spill nothing (no local memory) within 255 registers.
 Numerics: ``tests/unit/backends/cutedsl/test_cutedsl_bwd_main_kernel.py -m gpu``
 (``DSA_AOT_GPU_TEST_IMPLS=wgmma_ws``), not here.
 """
@@ -43,9 +40,6 @@ VARIANTS = [(576, 64, "compact"), (512, 128, "noncompact"), (576, 128, "noncompa
             (512, 64, "compact")]
 #: the wgmma build whose record the wgmma_ws one must equal
 WGMMA_TWINS = [(576, 64, "compact")]
-#: the wgmma_ws_fused builds (the fast mode without a preprocess)
-FUSED = "wgmma_ws_fused"
-FUSED_VARIANTS = [(576, 128, "compact"), (512, 64, "noncompact")]
 SMEM_LIMIT = 227 * 1024
 
 
@@ -244,8 +238,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Cut
         pytest.skip("needs nvidia-cutlass-dsl to compile")
     out = tmp_path_factory.mktemp("bwd_ws")
     requests = ([_request(*v) for v in VARIANTS]
-                + [_request(*v, flavour="wgmma") for v in WGMMA_TWINS]
-                + [_request(*v, flavour=FUSED) for v in FUSED_VARIANTS])
+                + [_request(*v, flavour="wgmma") for v in WGMMA_TWINS])
     return out, {r.name: r for r in build_cutedsl(requests, out)}
 
 
@@ -253,8 +246,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Cut
 def test_every_variant_builds_with_the_wgmma_abi(built: tuple[Path, dict[str, CuteExportRecord]]) -> None:
     out, records = built
     assert sorted(records) == sorted([_name(*v) for v in VARIANTS]
-                                     + [_name(*v, impl="wgmma") for v in WGMMA_TWINS]
-                                     + [_name(*v, impl=FUSED) for v in FUSED_VARIANTS])
+                                     + [_name(*v, impl="wgmma") for v in WGMMA_TWINS])
     for d_qk, heads, layout in VARIANTS:
         rec = records[_name(d_qk, heads, layout)]
         assert (rec.kernel, rec.arch, rec.d_qk, rec.heads, rec.layout, rec.impl) == (
@@ -271,15 +263,6 @@ def test_every_variant_builds_with_the_wgmma_abi(built: tuple[Path, dict[str, Cu
         assert twin.impl == "wgmma"
         assert b"kernel_ws" not in (out / twin.name / twin.object_file).read_bytes()
         assert records[_name(d_qk, heads, layout)].args == twin.args
-    for d_qk, heads, layout in FUSED_VARIANTS:
-        rec = records[_name(d_qk, heads, layout, FUSED)]
-        assert (rec.impl, rec.d_qk, rec.heads, rec.layout, rec.deterministic) == (
-            FUSED, d_qk, heads, layout, False)
-        compact = ["topk_length"] if layout == "compact" else []
-        assert [a.name for a in rec.args] == (["q", "kv", "out", "dout", "topk_idxs"] + compact
-                                              + ["lse", "attn_sink", "dq", "dkv_acc", "d_sink",
-                                                 "softmax_scale", "stream"])
-        assert b"kernel_ws_stats" in (out / rec.name / rec.object_file).read_bytes()
 
 
 @needs_cute_dsl
@@ -287,29 +270,10 @@ def test_cubins_spill_nothing(built: tuple[Path, dict[str, CuteExportRecord]]) -
     """No local memory (spills) and at most 255 registers a thread (256 threads a CTA)."""
     out, records = built
     assert_spill_free(out / rec.name / rec.object_file
-                      for rec in ([records[_name(*v)] for v in VARIANTS]
-                                  + [records[_name(*v, impl=FUSED)] for v in FUSED_VARIANTS]))
+                      for rec in (records[_name(*v)] for v in VARIANTS))
 
 
 @needs_cute_dsl
 def test_libraries_open_without_cutlass(built: tuple[Path, dict[str, CuteExportRecord]]) -> None:
     out, _ = built
     assert len(open_without_cutlass(out / _name(*v) for v in VARIANTS)) == len(VARIANTS)
-
-
-def test_fused_flavour_requests() -> None:
-    """``tile.flavour = "wgmma_ws_fused"`` is the fast mode without a preprocess launch: a bwd
-    spec names it as its main stage's impl (the artifact named apart), and requests refuse its
-    deterministic mode, other head counts and sm_100a by name."""
-    request = _request(576, 64, "compact", flavour="wgmma_ws_fused")
-    assert request.impl == "wgmma_ws_fused" and request.compile_params["impl"] == "wgmma_ws_fused"
-    assert "dsa_aot/kernels/cutedsl_bwd_preprocess.py" in module_sources([MODULE])  # its row_dot
-    with pytest.raises(ValueError, match="impl=wgmma_ws_fused has no deterministic bwd_main"):
-        BuildRequest(kernel="bwd_main", arch="sm_90a", d_qk=576, heads=64, layout="compact",
-                     impl="wgmma_ws_fused", deterministic=True)
-    with pytest.raises(ValueError, match="impl=wgmma_ws_fused supports heads"):
-        BuildRequest(kernel="bwd_main", arch="sm_90a", d_qk=576, heads=32, layout="compact",
-                     impl="wgmma_ws_fused")
-    with pytest.raises(ValueError, match="needs sm_90a"):
-        BuildRequest(kernel="bwd_main", arch="sm_100a", d_qk=576, heads=64, layout="compact",
-                     impl="wgmma_ws_fused")

@@ -299,32 +299,6 @@ def test_bwd_runner_passes_the_stages_names(monkeypatch: pytest.MonkeyPatch) -> 
     assert "d_sink_acc" not in args  # the fast backward has none
 
 
-def test_bwd_runner_skips_the_preprocess_for_a_main_stage_with_its_statistics(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A main stage that takes ``out`` and no ``delta`` (the ``wgmma_ws`` fast mode) computes the
-    row statistics itself: the preprocess is not launched, the main stage gets the forward's
-    ``out``, ``lse`` and ``attn_sink`` and the zeroed ``d_sink`` that the call returns."""
-    monkeypatch.setattr(runners, "current_stream", lambda dev: 7)
-    pre = _Stage(["out", "dout", "lse", "attn_sink", "delta", "lse_sink", "d_sink"], [])
-    main = _Stage(["q", "kv", "out", "dout", "topk_idxs", "lse", "attn_sink", "dq", "dkv_acc",
-                   "d_sink"], ["softmax_scale"])
-    post = _Stage(["dkv_acc", "dkv"], [])
-    spec = KernelSpec.from_id("bwd-sm_90a-d576-h64-noncompact-cutedsl")
-    q, kv, out, dout = torch.zeros(3, H, D), torch.zeros(10, D), torch.zeros(3, H, DV), torch.zeros(3, H, DV)
-    lse, idx, sink = torch.zeros(3, H), torch.zeros(3, 5), torch.zeros(H)
-    bwd = runners.StagedBwd(pre, main, post, spec)
-    assert bwd.fused_stats
-    dq, dkv, d_sink = bwd(q, kv, out, dout, lse, idx, None, sink, 0.5)
-    assert pre.calls == []
-    (main_t, main_kw), = main.calls
-    assert main_t[:7] == (q, kv, out, dout, idx, lse, sink) and main_t[7] is dq
-    assert main_t[9] is d_sink and d_sink.shape == (H,) and not d_sink.any()
-    assert post.calls[0][0] == (main_t[8], dkv) and main_kw == {"stream": 7, "softmax_scale": 0.5}
-    # a main stage that reads delta keeps the preprocess
-    plain = _Stage(["q", "kv", "dout", "topk_idxs", "lse_sink", "delta", "dq", "dkv_acc"], ["softmax_scale"])
-    assert not runners.StagedBwd(pre, plain, post, spec).fused_stats
-
-
 def test_bwd_runner_fixed_point_path_launches_its_postprocess_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """A deterministic call with the fixed-point main kernel: the preprocess once, the main kernel
     and the fixed-point postprocess through ``fixed_point_dkv``'s launches, the postprocess with
