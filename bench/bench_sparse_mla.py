@@ -176,18 +176,20 @@ def table_rows(table: list[tuple[int, ...]], args: argparse.Namespace) -> list[t
     return [r for i, r in enumerate(table) if not args.shapes or i in args.shapes]
 
 
+def _rows(own: list[list[int]] | None, table: list[tuple[int, ...]],
+          args: argparse.Namespace) -> list[tuple[int, ...]]:
+    """The rows of your own (``--fwd-shape`` / ``--bwd-shape``), else the table's."""
+    return [tuple(row) for row in own] if own else table_rows(table, args)
+
+
 def fwd_rows(args: argparse.Namespace) -> list[tuple[int, ...]]:
     """The forward rows a run times: its ``--fwd-shape`` rows, else the table's."""
-    if args.fwd_shape:
-        return [tuple(row) for row in args.fwd_shape]
-    return table_rows(FWD_SHAPES, args)
+    return _rows(args.fwd_shape, FWD_SHAPES, args)
 
 
 def bwd_rows(args: argparse.Namespace) -> list[tuple[int, ...]]:
     """The backward rows a run times: its ``--bwd-shape`` rows, else the table's."""
-    if args.bwd_shape:
-        return [tuple(row) for row in args.bwd_shape]
-    return table_rows(BWD_SHAPES, args)
+    return _rows(args.bwd_shape, BWD_SHAPES, args)
 
 
 def parser() -> argparse.ArgumentParser:
