@@ -1087,19 +1087,28 @@ def compile_flavour(entries: dict[tuple, type], module_impl: str, check,
                     deterministic: bool) -> tuple[object, dict[str, object]]:
     """``cute.compile`` the entry class ``entries[deterministic, layout]`` of a flavour module
     whose flavour is ``module_impl`` (``entries[True, layout, True]`` for ``impl=module_impl +
-    "_fixed"``, the fixed-point deterministic mode, where the module has one): refuses another
+    "_fixed"``, the fixed-point deterministic mode, and ``entries[False, layout, "persistent"]``
+    for ``impl=module_impl + "_persistent"``, where the module has them): refuses another
     ``impl``, then parameters that ``check(d_qk, heads, layout, arch)`` refuses. Returns the
     compiled function and the fake arguments it was compiled with."""
     fixed = impl == module_impl + "_fixed" and (True, layout, True) in entries
-    if impl != module_impl and not fixed:
+    persistent = impl == module_impl + "_persistent" and any(
+        key[2:] == ("persistent",) for key in entries)
+    if impl != module_impl and not (fixed or persistent):
         raise ValueError(f"impl={impl!r}: this module builds impl={module_impl!r}"
                          + (f" or {module_impl + '_fixed'!r}" if (True, layout, True) in entries
                             else "") + "; compile_bwd_main builds the others")
     if fixed and not deterministic:
         raise ValueError(f"impl={impl!r} is a deterministic mode: pass deterministic=True, or "
                          f"impl={module_impl!r} for the fast mode")
+    if persistent and (deterministic or (False, layout, "persistent") not in entries):
+        raise ValueError(f"impl={impl!r} is the fast mode of the noncompact layout, not "
+                         f"layout={layout!r} with deterministic={deterministic}; use "
+                         f"impl={module_impl!r}")
     check(d_qk, heads, layout, arch)
-    entry = entries[(True, layout, True)] if fixed else entries[deterministic, layout]
+    entry = (entries[(True, layout, True)] if fixed else
+             entries[(False, layout, "persistent")] if persistent else
+             entries[deterministic, layout])
     fakes = fake_arguments(d_qk, heads, layout, deterministic, fixed)
     extra = {"fixed_point": True} if fixed else {}
     kernel = entry(d_qk, heads, layout, atomic_width=atomic_width, scatter=scatter,

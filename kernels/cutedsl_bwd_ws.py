@@ -79,6 +79,13 @@ from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, LAYOUTS, VEC, wg_
 #: mode with fixed-point adds (the default deterministic mode stores rows).
 IMPL = "wgmma_ws"
 FIXED_IMPL = "wgmma_ws_fixed"
+#: The fast mode with several query rows a CTA (noncompact layout): the next row's q, dout and
+#: first KV block load while the last block's dKV chunks are added.
+PERSISTENT_IMPL = "wgmma_ws_persistent"
+#: Most query rows a CTA of the persistent mode takes, and the CTAs per head block it keeps
+#: (about two waves of 132 SMs): rows_per_cta = clamp(s_q // PERSISTENT_MIN_CTAS, 1, MAX).
+PERSISTENT_MAX_ROWS = 4
+PERSISTENT_MIN_CTAS = 264
 #: Head counts this flavour supports (whole 64-head blocks).
 HEADS = (64, 128)
 WG_THREADS = 128
@@ -87,8 +94,9 @@ THREADS = 2 * WG_THREADS
 TILE = 64
 #: dQ column tiles of warpgroup 0 (the rest are warpgroup 1's).
 SCORE_DQ_TILES = 4
-#: Named barriers (0 is __syncthreads): the three hand-offs, and warpgroup 0's own.
-BAR_PDS_FULL, BAR_PDS_EMPTY, BAR_KV_EMPTY, BAR_SCORE = 1, 2, 3, 4
+#: Named barriers (0 is __syncthreads): the three hand-offs, warpgroup 0's own, and the
+#: persistent mode's next-row q / dout (warpgroup 1 -> warpgroup 0, once a row).
+BAR_PDS_FULL, BAR_PDS_EMPTY, BAR_KV_EMPTY, BAR_SCORE, BAR_QDO_FULL = 1, 2, 3, 4, 5
 
 assert main.THREADS == THREADS and main.BLOCK_H == TILE and main.BLOCK_N == TILE
 
@@ -188,6 +196,9 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
     """The backward main kernel with a score and a dKV warpgroup, for one ``(d_qk, heads,
     layout)``."""
 
+    #: Whether the entry takes several query rows a CTA (:data:`PERSISTENT_IMPL`).
+    PERSISTENT = False
+
     def __init__(self, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
                  scatter: bool = True, deterministic: bool = False,
                  fixed_point: bool = False) -> None:
@@ -196,6 +207,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                          impl="wgmma", deterministic=deterministic)
         self.impl = IMPL
         self.fixed_point = deterministic and fixed_point
+        self.persistent = self.PERSISTENT and not deterministic
         #: whether the dKV warpgroup copies a block's KV rows out of the double-buffered
         #: ``s_idx`` (needed where the score warpgroup can refill it first: slot-major)
         self.copy_rows = False
@@ -249,7 +261,31 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                     lay["dout_t"], lay["kv_t"], lay["p_t"], row_copy, mma_s, mma_dq_rs, mma_dq_ss,
                     mma_kv), SharedStorage
 
-        self.launch_rows(kernel_args, cute.size(q, mode=[0]), self.heads // BLOCK_H, rows, stream)
+        if cutlass.const_expr(self.persistent):
+            # one warpgroup's copies of a 64 x 64 tile of q or dout: 16 rows a pass
+            wg_copy = cute.make_tiled_copy_tv(
+                g2s, cute.make_layout((WG_THREADS // vecs, vecs), stride=(vecs, 1)),
+                cute.make_layout((1, VEC)))
+            self.launch_persistent(kernel_args, cute.size(q, mode=[0]), self.heads // BLOCK_H,
+                                   wg_copy, stream)
+        else:
+            self.launch_rows(kernel_args, cute.size(q, mode=[0]), self.heads // BLOCK_H, rows,
+                             stream)
+
+    @cute.jit
+    def launch_persistent(self, kernel_args, s_q_rows: Int32, n_hb: cutlass.Constexpr,
+                          wg_copy: cute.TiledCopy, stream: cuda.CUstream) -> None:
+        """Launch :meth:`kernel_persistent`: ``rows_per_cta`` consecutive query rows a CTA (up
+        to :data:`PERSISTENT_MAX_ROWS`, fewer where that would leave under
+        :data:`PERSISTENT_MIN_CTAS` CTAs a head block), ``n_hb`` CTAs a row group."""
+        if s_q_rows > 0:
+            rows_per_cta = cutlass.min(cutlass.max(s_q_rows // PERSISTENT_MIN_CTAS, Int32(1)),
+                                       Int32(PERSISTENT_MAX_ROWS))
+            groups = (s_q_rows + rows_per_cta - 1) // rows_per_cta
+            args, SharedStorage = kernel_args()
+            self.kernel_persistent(*args, wg_copy, rows_per_cta, SharedStorage).launch(
+                grid=[groups * n_hb, 1, 1], block=[THREADS, 1, 1],
+                smem=SharedStorage.size_in_bytes(), stream=stream)
 
     @cute.jit
     def launch_rows(self, kernel_args, s_q_rows: Int32, n_hb: cutlass.Constexpr,
@@ -298,6 +334,26 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                     s_q_layout, s_do_layout, s_kv_layout, s_p_layout, s_qt_layout, s_dot_layout,
                     s_kt_layout, s_pt_layout, row_copy, mma_s, mma_dq_rs, mma_dq_ss, mma_kv,
                     SharedStorage)
+
+    @cute.kernel
+    def kernel_persistent(self, m_q: cute.Tensor, m_kv: cute.Tensor, m_do: cute.Tensor,
+                          m_idx: cute.Tensor, m_len: cute.Tensor, m_lse: cute.Tensor,
+                          m_delta: cute.Tensor, m_dq: cute.Tensor, m_dkv: cute.Tensor,
+                          softmax_scale: Float32, s_q_layout: cute.ComposedLayout,
+                          s_do_layout: cute.ComposedLayout, s_kv_layout: cute.ComposedLayout,
+                          s_p_layout: cute.ComposedLayout, s_qt_layout: cute.ComposedLayout,
+                          s_dot_layout: cute.ComposedLayout, s_kt_layout: cute.ComposedLayout,
+                          s_pt_layout: cute.ComposedLayout, row_copy: cute.TiledCopy,
+                          mma_s: cute.TiledMma, mma_dq_rs: cute.TiledMma,
+                          mma_dq_ss: cute.TiledMma, mma_kv: cute.TiledMma,
+                          wg_copy: cute.TiledCopy, rows_per_cta: Int32,
+                          SharedStorage: cutlass.Constexpr) -> None:
+        """The persistent mode's entry: CTA ``c`` takes query rows ``(c / head blocks)
+        rows_per_cta`` on (up to ``rows_per_cta`` of them) of head block ``c % head blocks``."""
+        self.cta_ws(m_q, m_kv, m_do, m_idx, m_len, m_lse, m_delta, m_dq, m_dkv, softmax_scale,
+                    s_q_layout, s_do_layout, s_kv_layout, s_p_layout, s_qt_layout, s_dot_layout,
+                    s_kt_layout, s_pt_layout, row_copy, mma_s, mma_dq_rs, mma_dq_ss, mma_kv,
+                    SharedStorage, None, (rows_per_cta, wg_copy))
 
     @cute.kernel
     def kernel_rows(self, m_q: cute.Tensor, m_kv: cute.Tensor, m_do: cute.Tensor,
@@ -351,9 +407,11 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                s_pt_layout: cute.ComposedLayout, row_copy: cute.TiledCopy,
                mma_s: cute.TiledMma, mma_dq_rs: cute.TiledMma,
                mma_dq_ss: cute.TiledMma, mma_kv: cute.TiledMma,
-               SharedStorage: cutlass.Constexpr, rows: tuple | None = None) -> None:
+               SharedStorage: cutlass.Constexpr, rows: tuple | None = None,
+               persistent: tuple | None = None) -> None:
         """One CTA's query row and head block; ``rows``: ``(row_start, row_step, measure)`` of
-        :meth:`kernel_rows`."""
+        :meth:`kernel_rows`; ``persistent``: ``(rows_per_cta, wg_copy)`` of
+        :meth:`kernel_persistent` (its first row here, the others in the warpgroups' loops)."""
         d = self.d_qk
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
@@ -364,6 +422,10 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         if cutlass.const_expr(rows is not None):
             t = rows[0] + t * rows[1]
             measure = rows[2]
+        wg_rows = None
+        if cutlass.const_expr(persistent is not None):
+            t = t * persistent[0]
+            wg_rows = cutlass.min(persistent[0], cute.size(m_q, mode=[0]) - t)
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         wtid = tidx % WG_THREADS
         topk = cute.size(m_idx, mode=[1])
@@ -393,12 +455,21 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         cute.arch.fence_view_async_shared()  # cp.async / zero-fill writes -> wgmma reads
         cute.arch.barrier()
 
-        if wg == 0:
-            self.score_warpgroup(t, hb, n_blocks, n_slots, m_idx, m_dq, softmax_scale, smem_views,
-                                 gather_args, mma_s, mma_dq_rs, wtid)
+        if cutlass.const_expr(persistent is not None):
+            if wg == 0:
+                self.score_warpgroup(t, hb, n_blocks, n_slots, m_idx, m_dq, softmax_scale,
+                                     smem_views, gather_args, mma_s, mma_dq_rs, wtid,
+                                     (wg_rows, m_lse, m_delta))
+            else:
+                self.dkv_warpgroup(t, hb, n_blocks, topk, m_dq, m_dkv, smem_views, mma_dq_ss,
+                                   mma_kv, wtid, measure, (wg_rows, m_q, m_do, persistent[1]))
         else:
-            self.dkv_warpgroup(t, hb, n_blocks, topk, m_dq, m_dkv, smem_views, mma_dq_ss,
-                               mma_kv, wtid, measure)
+            if wg == 0:
+                self.score_warpgroup(t, hb, n_blocks, n_slots, m_idx, m_dq, softmax_scale,
+                                     smem_views, gather_args, mma_s, mma_dq_rs, wtid)
+            else:
+                self.dkv_warpgroup(t, hb, n_blocks, topk, m_dq, m_dkv, smem_views, mma_dq_ss,
+                                   mma_kv, wtid, measure)
 
     @cute.jit
     def load_query_row(self, t: Int32, hb: Int32, m_q: cute.Tensor, m_do: cute.Tensor,
@@ -414,8 +485,13 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
     def score_warpgroup(self, t: Int32, hb: Int32, n_blocks: Int32, n_slots: Int32,
                         m_idx: cute.Tensor, m_dq: cute.Tensor, softmax_scale: Float32,
                         sm: dict, gather_args: list, mma_s: cute.TiledMma,
-                        mma_dq: cute.TiledMma, wtid: Int32) -> None:
-        """Warpgroup 0 over the row's blocks: S, dP, P, dS, its dQ tiles, the gathers."""
+                        mma_dq: cute.TiledMma, wtid: Int32, persistent: tuple | None = None) -> None:
+        """Warpgroup 0 over the row's blocks: S, dP, P, dS, its dQ tiles, the gathers.
+
+        ``persistent``: ``(rows, lse, delta)``: rows ``t`` to ``t + rows - 1`` as one stream of
+        blocks (each row's ``lse`` and ``delta`` read from memory; before a row's first ``S``, its
+        ``q`` and ``dout`` from warpgroup 1, ``BAR_QDO_FULL``), the gather after a row's last block
+        being the next row's first."""
         d = self.d_qk
         scale_log2 = softmax_scale * Float32(LOG2E)
         mma_dq.set(warpgroup.Field.ACCUMULATE, True)
@@ -444,70 +520,120 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         t_s_ds_c = thr_store_c.partition_D(sm["ds"])
         s_valid = sm["valid"]
         row_in_pass = wtid // (TILE // VEC)
-        lse_r = [sm["lse"][coords[r, 0][0]] for r in range(rows_per_thread)]
-        delta_r = [sm["delta"][coords[r, 0][0]] for r in range(rows_per_thread)]
+        block = [mma_s, acc_shape, r_q, r_do, r_k, coords, s_valid, scale_log2, softmax_scale,
+                 store_c, thr_store_c, t_s_p_c, t_s_ds_c, mma_dq, acc_dq, r_kt]
 
-        for b in cutlass.range(n_blocks, unroll=1):
-            buf = (b % 2) * BLOCK_N
-            upcoming = self.load_indices(b + 1, t, m_idx, n_slots, row_in_pass)
-            if b > 0:  # this warpgroup's gather of block b is in; make it visible to all of it
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier(barrier_id=BAR_SCORE, number_of_threads=WG_THREADS)
+        if cutlass.const_expr(persistent is None):
+            lse_r = [sm["lse"][coords[r, 0][0]] for r in range(rows_per_thread)]
+            delta_r = [sm["delta"][coords[r, 0][0]] for r in range(rows_per_thread)]
+            for b in cutlass.range(n_blocks, unroll=1):
+                buf = (b % 2) * BLOCK_N
+                upcoming = self.load_indices(b + 1, t, m_idx, n_slots, row_in_pass)
+                if b > 0:  # this warpgroup's gather of block b is in; make it visible to all
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier(barrier_id=BAR_SCORE, number_of_threads=WG_THREADS)
+                self.score_block(b > 0, buf, lse_r, delta_r, *block)
+                # the next block into the KV tile once warpgroup 1's dQ MMAs are done with it
+                if b + 1 < n_blocks:
+                    cute.arch.barrier(barrier_id=BAR_KV_EMPTY, number_of_threads=THREADS)
+                    self.gather(upcoming, BLOCK_N - buf, *gather_args)
+                    cute.arch.cp_async_commit_group()
+            self.store_dq(t, hb, m_dq, acc_dq, thr_dq, 0)
+        else:
+            n_rows, m_lse, m_delta = persistent
+            total = n_rows * n_blocks
+            heads = [hb * BLOCK_H + coords[r, 0][0] for r in range(rows_per_thread)]
+            for i in cutlass.range(n_rows, unroll=1):
+                row = t + i
+                lse_r = [m_lse[row, h] * Float32(LOG2E) for h in heads]
+                delta_r = [m_delta[row, h] for h in heads]
+                if i > 0:  # this row's q and dout are in (warpgroup 1 loaded them)
+                    cute.arch.barrier(barrier_id=BAR_QDO_FULL, number_of_threads=THREADS)
+                for b in cutlass.range(n_blocks, unroll=1):
+                    g = i * n_blocks + b  # the CTA's block count: the buffer parity runs on
+                    buf = (g % 2) * BLOCK_N
+                    nxt = g + 1  # this row's next block, or the next row's first (none last)
+                    upcoming = self.load_indices(
+                        nxt % n_blocks, cutlass.min(t + nxt // n_blocks, t + n_rows - 1), m_idx,
+                        n_slots, row_in_pass)
+                    if g > 0:
+                        cute.arch.cp_async_wait_group(0)
+                        cute.arch.fence_view_async_shared()
+                        cute.arch.barrier(barrier_id=BAR_SCORE, number_of_threads=WG_THREADS)
+                    self.score_block(g > 0, buf, lse_r, delta_r, *block)
+                    if nxt < total:
+                        cute.arch.barrier(barrier_id=BAR_KV_EMPTY, number_of_threads=THREADS)
+                        self.gather(upcoming, BLOCK_N - buf, *gather_args)
+                        cute.arch.cp_async_commit_group()
+                self.store_dq(row, hb, m_dq, acc_dq, thr_dq, 0)
+                for k in cutlass.range_constexpr(self.score_dq_tiles):
+                    acc_dq[k].fill(0.0)
 
-            # S = Q K^T and dP = dO V^T, interleaved k-steps; k = 0 overwrites (scale-d 0)
-            acc_s, acc_dp = score_gemms(mma_s, acc_shape, r_q, r_do, r_k, d)
+    @cute.jit
+    def score_block(self, handed_before: cutlass.Boolean, buf: Int32, lse_r: list,
+                    delta_r: list, mma_s: cute.TiledMma, acc_shape, r_q: cute.Tensor,
+                    r_do: cute.Tensor, r_k: cute.Tensor, coords: cute.Tensor,
+                    s_valid: cute.Tensor, scale_log2: Float32, softmax_scale: Float32,
+                    store_c: cute.TiledCopy, thr_store_c, t_s_p_c: cute.Tensor,
+                    t_s_ds_c: cute.Tensor, mma_dq: cute.TiledMma, acc_dq: list,
+                    r_kt: list) -> None:
+        """One block of warpgroup 0 (its KV tile gathered, slot flags at ``buf``): ``S``, ``dP``,
+        the softmax gradient, ``P`` / ``dS`` to shared memory once warpgroup 1 has read the last
+        ones (``BAR_PDS_EMPTY``, when ``handed_before``), ``BAR_PDS_FULL``, its dQ MMAs."""
+        d = self.d_qk
+        rows_per_thread = cute.size(coords, mode=[0])
+        cols_per_thread = cute.size(coords, mode=[1])
+        # S = Q K^T and dP = dO V^T, interleaved k-steps; k = 0 overwrites (scale-d 0)
+        acc_s, acc_dp = score_gemms(mma_s, acc_shape, r_q, r_do, r_k, d)
 
-            acc_s_rc = wg_rows_cols(acc_s)
-            acc_dp_rc = wg_rows_cols(acc_dp)
-            col_ok = [s_valid[buf + coords[0, j][1]] for j in range(cols_per_thread)]
-            for r in cutlass.range_constexpr(rows_per_thread):
-                for j in cutlass.range_constexpr(cols_per_thread):
-                    x = acc_s_rc[r, j] * scale_log2 - lse_r[r]
-                    if col_ok[j] == 0:
-                        x = Float32(-_INF)
-                    p = cute.math.exp2(x, fastmath=True)
-                    acc_s_rc[r, j] = p
-                    acc_dp_rc[r, j] = p * (acc_dp_rc[r, j] - delta_r[r]) * softmax_scale
-            r_p16 = cute.make_fragment_like(acc_s, BFloat16)
-            r_p16.store(acc_s.load().to(BFloat16))
-            r_ds16 = cute.make_fragment_like(acc_dp, BFloat16)
-            r_ds16.store(acc_dp.load().to(BFloat16))
+        acc_s_rc = wg_rows_cols(acc_s)
+        acc_dp_rc = wg_rows_cols(acc_dp)
+        col_ok = [s_valid[buf + coords[0, j][1]] for j in range(cols_per_thread)]
+        for r in cutlass.range_constexpr(rows_per_thread):
+            for j in cutlass.range_constexpr(cols_per_thread):
+                x = acc_s_rc[r, j] * scale_log2 - lse_r[r]
+                if col_ok[j] == 0:
+                    x = Float32(-_INF)
+                p = cute.math.exp2(x, fastmath=True)
+                acc_s_rc[r, j] = p
+                acc_dp_rc[r, j] = p * (acc_dp_rc[r, j] - delta_r[r]) * softmax_scale
+        r_p16 = cute.make_fragment_like(acc_s, BFloat16)
+        r_p16.store(acc_s.load().to(BFloat16))
+        r_ds16 = cute.make_fragment_like(acc_dp, BFloat16)
+        r_ds16.store(acc_dp.load().to(BFloat16))
 
-            # hand P and dS over once warpgroup 1's MMAs of the previous block are done
-            if b > 0:
-                cute.arch.barrier(barrier_id=BAR_PDS_EMPTY, number_of_threads=THREADS)
-            cute.copy(store_c, thr_store_c.retile(r_p16), t_s_p_c)
-            cute.copy(store_c, thr_store_c.retile(r_ds16), t_s_ds_c)
-            cute.arch.fence_view_async_shared()  # P / dS stores -> warpgroup 1's wgmma reads
-            cute.arch.barrier_arrive(barrier_id=BAR_PDS_FULL, number_of_threads=THREADS)
+        # hand P and dS over once warpgroup 1's MMAs of the previous block are done
+        if handed_before:
+            cute.arch.barrier(barrier_id=BAR_PDS_EMPTY, number_of_threads=THREADS)
+        cute.copy(store_c, thr_store_c.retile(r_p16), t_s_p_c)
+        cute.copy(store_c, thr_store_c.retile(r_ds16), t_s_ds_c)
+        cute.arch.fence_view_async_shared()  # P / dS stores -> warpgroup 1's wgmma reads
+        cute.arch.barrier_arrive(barrier_id=BAR_PDS_FULL, number_of_threads=THREADS)
 
-            # dQ of its tiles += dS K, dS from registers
-            r_dsa = wg_acc_as_a(r_ds16)
-            warpgroup.fence()
-            for i in cutlass.range_constexpr(self.score_dq_tiles):
-                for k in cutlass.range_constexpr(BLOCK_N // 16):
-                    cute.gemm(mma_dq, acc_dq[i], r_dsa[None, None, k], r_kt[i][None, None, k],
-                              acc_dq[i])
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-
-            # the next block into the KV tile once warpgroup 1's dQ MMAs are done with it
-            if b + 1 < n_blocks:
-                cute.arch.barrier(barrier_id=BAR_KV_EMPTY, number_of_threads=THREADS)
-                self.gather(upcoming, BLOCK_N - buf, *gather_args)
-                cute.arch.cp_async_commit_group()
-
-        self.store_dq(t, hb, m_dq, acc_dq, thr_dq, 0)
+        # dQ of its tiles += dS K, dS from registers
+        r_dsa = wg_acc_as_a(r_ds16)
+        warpgroup.fence()
+        for i in cutlass.range_constexpr(self.score_dq_tiles):
+            for k in cutlass.range_constexpr(BLOCK_N // 16):
+                cute.gemm(mma_dq, acc_dq[i], r_dsa[None, None, k], r_kt[i][None, None, k],
+                          acc_dq[i])
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
 
     @cute.jit
     def dkv_warpgroup(self, t: Int32, hb: Int32, n_blocks: Int32, topk: Int32,
                       m_dq: cute.Tensor, m_dkv: cute.Tensor, sm: dict, mma_dq: cute.TiledMma,
-                      mma_kv: cute.TiledMma, wtid: Int32, measure: cutlass.Constexpr) -> None:
-        """Warpgroup 1 over the row's blocks: the other dQ tiles (none when the score warpgroup
-        takes them all), dKV chunks and their atomics (the deterministic mode: their stored
-        rows; the fixed-point mode: their integer adds, or with ``measure`` set only their
-        largest values)."""
+                      mma_kv: cute.TiledMma, wtid: Int32, measure: cutlass.Constexpr,
+                      persistent: tuple | None = None) -> None:
+        """Warpgroup 1 over the row's blocks (:meth:`dkv_block`): the other dQ tiles (none when
+        the score warpgroup takes them all), dKV chunks and their atomics (the deterministic
+        mode: their stored rows; the fixed-point mode: their integer adds, or with ``measure``
+        set only their largest values).
+
+        ``persistent``: ``(rows, q, dout, wg_copy)``: rows ``t`` to ``t + rows - 1`` as one
+        stream of blocks; a row's last block loads the next row's ``q`` and ``dout`` chunk by
+        chunk, and the row ends with ``BAR_QDO_FULL`` once they are in."""
         d = self.d_qk
         heads = self.cta_heads
         n_dq = d // TILE - self.score_dq_tiles
@@ -524,7 +650,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         thr_kv = mma_kv.get_slice(wtid)
         # without dQ tiles mma_dq is left alone: it is the score warpgroup's (a TiledMma's fields
         # are traced values; set in both branches of the warpgroup split, they escape one)
-        acc_dq = []
+        acc_dq, r_ds, r_kt, thr_dq = [], None, [], None
         if cutlass.const_expr(n_dq > 0):
             mma_dq.set(warpgroup.Field.ACCUMULATE, True)
             wg_dq = mma_dq.get_slice(0)
@@ -548,67 +674,125 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                 sm["max"][warp_rows + lane] = Float32(0.0)
             cute.arch.sync_warp()
 
-        for b in cutlass.range(n_blocks, unroll=1):
-            buf = (b % 2) * BLOCK_N
-            cute.arch.barrier(barrier_id=BAR_PDS_FULL, number_of_threads=THREADS)
+        state = [n_dq, mma_dq, acc_dq, r_ds, r_kt, mma_kv, r_dst, r_pt, r_qt, r_dot, kv_shape,
+                 kv_coords, k_steps, fixed_base, fixed_stride, warp_rows, lane, m_dkv, sm, topk,
+                 hb, measure]
+        if cutlass.const_expr(persistent is None):
+            for b in cutlass.range(n_blocks, unroll=1):
+                self.dkv_block(b, (b % 2) * BLOCK_N, b + 1 < n_blocks, t, None, *state)
             if cutlass.const_expr(n_dq > 0):
-                warpgroup.fence()
-                for i in cutlass.range_constexpr(n_dq):
-                    for k in cutlass.range_constexpr(BLOCK_N // 16):
-                        cute.gemm(mma_dq, acc_dq[i], r_ds[None, None, k],
-                                  r_kt[i][None, None, k], acc_dq[i])
-                warpgroup.commit_group()
-            row_ok, row_ptr, fixed = [], [], []
-            rows, first = sm["idx"], buf + warp_rows
-            if cutlass.const_expr(self.fixed_point and self.copy_rows):
-                # the block's KV rows, this warp's 16, into warpgroup 1's own slots: the adds
-                # read them after PDS_EMPTY, when the slot-major score warpgroup may gather
-                # block b + 2 into this half of the index buffer (here it waits on KV_EMPTY)
-                if lane < 16:
-                    sm["rows"][warp_rows + lane] = sm["idx"][buf + warp_rows + lane]
-                cute.arch.sync_warp()
-                rows, first = sm["rows"], warp_rows
-            if cutlass.const_expr(self.fixed_point):
-                # a warp whose 16 block rows are all invalid slots (padding) adds nothing
-                live = cute.arch.vote_any_sync(rows[first + lane % 16] >= 0)
-                fixed = [rows, first, fixed_stride, fixed_scales(m_dkv, rows, first, lane, d),
-                         fixed_base, Int32(cute.size(m_dkv, mode=[0])), sm["max"], warp_rows, live,
-                         measure]
-            else:
-                slots = self.dkv_slots(buf, kv_coords, lane)
-                row_ok = [sm["valid"][s] for s in slots]
-                row_ptr = self.dkv_row_ptrs(m_dkv, sm["idx"], slots, buf, b * BLOCK_N, t, hb,
-                                            topk)
-            acc_kv = [cute.make_rmem_tensor(kv_shape, Float32) for _ in range(2)]
-            for c in cutlass.range_constexpr(n_chunks):
-                steps = [(r_dst[None, None, k], r_qt[c][None, None, k]) for k in range(k_steps)]
-                if cutlass.const_expr(c < n_v_chunks):
-                    steps += [(r_pt[None, None, k], r_dot[c][None, None, k])
-                              for k in range(k_steps)]
-                warpgroup.fence()
-                wg_gemm(mma_kv, acc_kv[c % 2], steps, False)  # the first step overwrites
-                warpgroup.commit_group()
-                if cutlass.const_expr(c == 0):
-                    if cutlass.const_expr(n_dq > 0):
-                        warpgroup.wait_group(1)  # dQ is done
-                        if b + 1 < n_blocks:  # the KV tile's last reader is done
-                            cute.arch.barrier_arrive(barrier_id=BAR_KV_EMPTY,
-                                                     number_of_threads=THREADS)
-                else:
-                    warpgroup.wait_group(1)  # chunk c - 1 is done
-                    self.add_chunk(wg_rows_cols(acc_kv[(c - 1) % 2]), kv_coords, row_ok, row_ptr,
-                                   fixed, (c - 1) * TILE, lane)
-            warpgroup.wait_group(0)
-            if b + 1 < n_blocks:  # P / dS read for the last time: the next block's may land
-                cute.arch.barrier_arrive(barrier_id=BAR_PDS_EMPTY, number_of_threads=THREADS)
-            self.add_chunk(wg_rows_cols(acc_kv[(n_chunks - 1) % 2]), kv_coords, row_ok, row_ptr,
-                           fixed, (n_chunks - 1) * TILE, lane)
-            if cutlass.const_expr(self.fixed_point):
-                flush_max(sm["max"], warp_rows, rows, first, fixed_stride, fixed_base,
-                          lane, d)
+                self.store_dq(t, hb, m_dq, acc_dq, thr_dq, self.score_dq_tiles)
+        else:
+            n_rows, m_q, m_do, wg_copy = persistent
+            total = n_rows * n_blocks
+            for i in cutlass.range(n_rows, unroll=1):
+                row = t + i
+                for b in cutlass.range(n_blocks, unroll=1):
+                    g = i * n_blocks + b
+                    # in the row's last block (not the CTA's last) the next row's q / dout load
+                    self.dkv_block(b, (g % 2) * BLOCK_N, g + 1 < total, row,
+                                   ((g + 1 < total) & (b + 1 == n_blocks), row + 1, hb, m_q,
+                                    m_do, sm, wg_copy, wtid), *state)
+                if cutlass.const_expr(n_dq > 0):
+                    self.store_dq(row, hb, m_dq, acc_dq, thr_dq, self.score_dq_tiles)
+                    for k in cutlass.range_constexpr(n_dq):
+                        acc_dq[k].fill(0.0)
+                if i + 1 < n_rows:  # the next row's q and dout are in: warpgroup 0 may score it
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier_arrive(barrier_id=BAR_QDO_FULL, number_of_threads=THREADS)
 
+    @cute.jit
+    def dkv_block(self, b: Int32, buf: Int32, more: cutlass.Boolean, t: Int32,
+                  reload: tuple | None, n_dq: cutlass.Constexpr, mma_dq: cute.TiledMma,
+                  acc_dq: list, r_ds, r_kt: list, mma_kv: cute.TiledMma, r_dst: cute.Tensor,
+                  r_pt: cute.Tensor, r_qt: list, r_dot: list, kv_shape, kv_coords: cute.Tensor,
+                  k_steps: cutlass.Constexpr, fixed_base, fixed_stride: Int32, warp_rows: Int32,
+                  lane: Int32, m_dkv: cute.Tensor, sm: dict, topk: Int32, hb: Int32,
+                  measure: cutlass.Constexpr) -> None:
+        """Block ``b`` of row ``t`` (slot flags at ``buf``) in warpgroup 1: ``<- PDS_FULL``, its
+        dQ MMAs, the dKV chunks and their adds, ``-> KV_EMPTY`` and ``-> PDS_EMPTY`` when
+        ``more`` blocks follow. ``reload``: ``(now, row, hb, q, dout, sm, wg_copy, wtid)``; when
+        ``now``, each chunk's q / dout columns load for ``row`` once the chunk's MMAs are done
+        (one ``cp.async`` group, committed after the last)."""
+        d = self.d_qk
+        n_chunks = d // TILE
+        n_v_chunks = D_V // TILE
+        cute.arch.barrier(barrier_id=BAR_PDS_FULL, number_of_threads=THREADS)
         if cutlass.const_expr(n_dq > 0):
-            self.store_dq(t, hb, m_dq, acc_dq, thr_dq, self.score_dq_tiles)
+            warpgroup.fence()
+            for i in cutlass.range_constexpr(n_dq):
+                for k in cutlass.range_constexpr(BLOCK_N // 16):
+                    cute.gemm(mma_dq, acc_dq[i], r_ds[None, None, k],
+                              r_kt[i][None, None, k], acc_dq[i])
+            warpgroup.commit_group()
+        row_ok, row_ptr, fixed = [], [], []
+        rows, first = sm["idx"], buf + warp_rows
+        if cutlass.const_expr(self.fixed_point and self.copy_rows):
+            # the block's KV rows, this warp's 16, into warpgroup 1's own slots: the adds
+            # read them after PDS_EMPTY, when the slot-major score warpgroup may gather
+            # block b + 2 into this half of the index buffer (here it waits on KV_EMPTY)
+            if lane < 16:
+                sm["rows"][warp_rows + lane] = sm["idx"][buf + warp_rows + lane]
+            cute.arch.sync_warp()
+            rows, first = sm["rows"], warp_rows
+        if cutlass.const_expr(self.fixed_point):
+            # a warp whose 16 block rows are all invalid slots (padding) adds nothing
+            live = cute.arch.vote_any_sync(rows[first + lane % 16] >= 0)
+            fixed = [rows, first, fixed_stride, fixed_scales(m_dkv, rows, first, lane, d),
+                     fixed_base, Int32(cute.size(m_dkv, mode=[0])), sm["max"], warp_rows, live,
+                     measure]
+        else:
+            slots = self.dkv_slots(buf, kv_coords, lane)
+            row_ok = [sm["valid"][s] for s in slots]
+            row_ptr = self.dkv_row_ptrs(m_dkv, sm["idx"], slots, buf, b * BLOCK_N, t, hb,
+                                        topk)
+        acc_kv = [cute.make_rmem_tensor(kv_shape, Float32) for _ in range(2)]
+        for c in cutlass.range_constexpr(n_chunks):
+            steps = [(r_dst[None, None, k], r_qt[c][None, None, k]) for k in range(k_steps)]
+            if cutlass.const_expr(c < n_v_chunks):
+                steps += [(r_pt[None, None, k], r_dot[c][None, None, k])
+                          for k in range(k_steps)]
+            warpgroup.fence()
+            wg_gemm(mma_kv, acc_kv[c % 2], steps, False)  # the first step overwrites
+            warpgroup.commit_group()
+            if cutlass.const_expr(c == 0):
+                if cutlass.const_expr(n_dq > 0):
+                    warpgroup.wait_group(1)  # dQ is done
+                    if more:  # the KV tile's last reader is done
+                        cute.arch.barrier_arrive(barrier_id=BAR_KV_EMPTY,
+                                                 number_of_threads=THREADS)
+            else:
+                warpgroup.wait_group(1)  # chunk c - 1 is done
+                if cutlass.const_expr(reload is not None):
+                    if reload[0]:  # its q / dout columns are free: the next row's
+                        self.reload_chunk(c - 1, *reload[1:])
+                self.add_chunk(wg_rows_cols(acc_kv[(c - 1) % 2]), kv_coords, row_ok, row_ptr,
+                               fixed, (c - 1) * TILE, lane)
+        warpgroup.wait_group(0)
+        if more:  # P / dS read for the last time: the next block's may land
+            cute.arch.barrier_arrive(barrier_id=BAR_PDS_EMPTY, number_of_threads=THREADS)
+        if cutlass.const_expr(reload is not None):
+            if reload[0]:
+                self.reload_chunk(n_chunks - 1, *reload[1:])
+                cute.arch.cp_async_commit_group()
+        self.add_chunk(wg_rows_cols(acc_kv[(n_chunks - 1) % 2]), kv_coords, row_ok, row_ptr,
+                       fixed, (n_chunks - 1) * TILE, lane)
+        if cutlass.const_expr(self.fixed_point):
+            flush_max(sm["max"], warp_rows, rows, first, fixed_stride, fixed_base,
+                      lane, d)
+
+    @cute.jit
+    def reload_chunk(self, c: cutlass.Constexpr, row: Int32, hb: Int32, m_q: cute.Tensor,
+                     m_do: cute.Tensor, sm: dict, wg_copy: cute.TiledCopy, wtid: Int32) -> None:
+        """Issue warpgroup 1's ``cp.async`` copies of row ``row``'s ``q`` (and ``dout`` below
+        column 512) columns ``64 c`` to ``64 c + 63`` of head block ``hb`` (no commit)."""
+        thr = wg_copy.get_slice(wtid)
+        pairs = [(m_q, sm["q"])] + ([(m_do, sm["do"])] if c < D_V // TILE else [])
+        for src, dst in pairs:
+            g_src = cute.local_tile(src[row, None, None], (BLOCK_H, TILE), (hb, c))
+            s_dst = cute.local_tile(dst, (BLOCK_H, TILE), (0, c))
+            cute.copy(wg_copy, thr.partition_S(g_src), thr.partition_D(s_dst))
 
     @cute.jit
     def add_chunk(self, acc: cute.Tensor, coords: cute.Tensor, row_ok: list, row_ptr: list,
@@ -648,6 +832,12 @@ class SparseMlaBwdWsNoncompact(SparseMlaBwdWs, SparseMlaBwdMainNoncompact):
     """Entry point of the noncompact layout (padding marked by out-of-range indices)."""
 
 
+class SparseMlaBwdWsNoncompactPersistent(SparseMlaBwdWsNoncompact):
+    """Entry point of the persistent fast mode (:data:`PERSISTENT_IMPL`), noncompact layout."""
+
+    PERSISTENT = True
+
+
 class SparseMlaBwdWsCompactDeterministic(DeterministicCompactEntry, SparseMlaBwdWs):
     """Entry point of the deterministic mode (stored rows), compact layout."""
 
@@ -670,10 +860,11 @@ def compile_bwd_ws(arch: str, d_qk: int, heads: int, layout: str, atomic_width: 
     """``cute.compile`` this kernel for ``arch`` (sm_90a; ``CUTE_DSL_ARCH`` set before import).
     Returns the compiled function and the fake arguments (those of
     :func:`~dsa_aot.kernels.cutedsl_bwd_main.fake_arguments`) it was compiled with. ``impl`` is
-    the build's flavour name, this module's (:data:`IMPL`, or :data:`FIXED_IMPL` for the
-    fixed-point deterministic mode)."""
+    the build's flavour name, this module's (:data:`IMPL`, :data:`PERSISTENT_IMPL` for several
+    query rows a CTA, or :data:`FIXED_IMPL` for the fixed-point deterministic mode)."""
     entries = {(False, "compact"): SparseMlaBwdWsCompact,
                (False, "noncompact"): SparseMlaBwdWsNoncompact,
+               (False, "noncompact", "persistent"): SparseMlaBwdWsNoncompactPersistent,
                (True, "compact"): SparseMlaBwdWsCompactDeterministic,
                (True, "noncompact"): SparseMlaBwdWsNoncompactDeterministic,
                (True, "compact", True): SparseMlaBwdWsCompactFixedPoint,
@@ -682,7 +873,8 @@ def compile_bwd_ws(arch: str, d_qk: int, heads: int, layout: str, atomic_width: 
                            scatter, impl, extra_options, deterministic)
 
 
-__all__ = ["FIXED_IMPL", "HEADS", "IMPL", "SparseMlaBwdWs", "SparseMlaBwdWsCompact",
+__all__ = ["FIXED_IMPL", "HEADS", "IMPL", "PERSISTENT_IMPL", "SparseMlaBwdWs",
+           "SparseMlaBwdWsCompact", "SparseMlaBwdWsNoncompactPersistent",
            "SparseMlaBwdWsCompactDeterministic", "SparseMlaBwdWsNoncompact",
            "SparseMlaBwdWsNoncompactDeterministic", "LAYOUT_ORDER",
            "can_implement", "check_params", "compile_bwd_ws", "ws_smem_layouts", "ws_smem_views"]

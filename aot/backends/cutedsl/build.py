@@ -115,8 +115,14 @@ class BuildRequest(BaseModel):
                                  f"not {self.impl}")
             if self.impl not in (None, "mma") and self.arch != "sm_90a":
                 raise ValueError(f"impl={self.impl} needs sm_90a, not {self.arch}; use impl=mma")
+            if self.impl == "wgmma_ws_persistent" and (self.deterministic
+                                                       or self.layout != "noncompact"):
+                raise ValueError(f"impl={self.impl} is a fast mode of the noncompact layout, not "
+                                 f"layout={self.layout} with deterministic={self.deterministic}; "
+                                 "use impl=wgmma_ws")
             if self.impl in BWD_MAIN_HEADS and self.heads not in BWD_MAIN_HEADS[self.impl]:
                 other = {"wgmma_ws": "wgmma_ws_slot_major",
+                         "wgmma_ws_persistent": "wgmma_ws_slot_major",
                          "wgmma_ws_slot_major": "wgmma_ws"}.get(self.impl, "wgmma")
                 raise ValueError(f"impl={self.impl} supports heads {BWD_MAIN_HEADS[self.impl]}, "
                                  f"not heads={self.heads}; use impl={other} (or leave impl unset)")

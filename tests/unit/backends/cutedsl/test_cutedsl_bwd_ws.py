@@ -40,6 +40,9 @@ VARIANTS = [(576, 64, "compact"), (512, 128, "noncompact"), (576, 128, "noncompa
             (512, 64, "compact")]
 #: the wgmma build whose record the wgmma_ws one must equal
 WGMMA_TWINS = [(576, 64, "compact")]
+#: the persistent mode (several query rows a CTA; noncompact only), same ABI as wgmma_ws
+PERSISTENT = "wgmma_ws_persistent"
+PERSISTENT_VARIANTS = [(576, 128, "noncompact")]
 SMEM_LIMIT = 227 * 1024
 
 
@@ -238,7 +241,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Cut
         pytest.skip("needs nvidia-cutlass-dsl to compile")
     out = tmp_path_factory.mktemp("bwd_ws")
     requests = ([_request(*v) for v in VARIANTS]
-                + [_request(*v, flavour="wgmma") for v in WGMMA_TWINS])
+                + [_request(*v, flavour="wgmma") for v in WGMMA_TWINS]
+                + [_request(*v, flavour=PERSISTENT) for v in PERSISTENT_VARIANTS])
     return out, {r.name: r for r in build_cutedsl(requests, out)}
 
 
@@ -246,7 +250,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Cut
 def test_every_variant_builds_with_the_wgmma_abi(built: tuple[Path, dict[str, CuteExportRecord]]) -> None:
     out, records = built
     assert sorted(records) == sorted([_name(*v) for v in VARIANTS]
-                                     + [_name(*v, impl="wgmma") for v in WGMMA_TWINS])
+                                     + [_name(*v, impl="wgmma") for v in WGMMA_TWINS]
+                                     + [_name(*v, impl=PERSISTENT) for v in PERSISTENT_VARIANTS])
     for d_qk, heads, layout in VARIANTS:
         rec = records[_name(d_qk, heads, layout)]
         assert (rec.kernel, rec.arch, rec.d_qk, rec.heads, rec.layout, rec.impl) == (
@@ -263,6 +268,12 @@ def test_every_variant_builds_with_the_wgmma_abi(built: tuple[Path, dict[str, Cu
         assert twin.impl == "wgmma"
         assert b"kernel_ws" not in (out / twin.name / twin.object_file).read_bytes()
         assert records[_name(d_qk, heads, layout)].args == twin.args
+    for d_qk, heads, layout in PERSISTENT_VARIANTS:  # same arguments, its own kernel
+        rec = records[_name(d_qk, heads, layout, PERSISTENT)]
+        assert (rec.impl, rec.deterministic) == (PERSISTENT, False)
+        assert rec.args == records[_name(d_qk, heads, layout)].args
+        obj = (out / rec.name / rec.object_file).read_bytes()
+        assert b"kernel_persistent" in obj and b"kernel_ws" not in obj
 
 
 @needs_cute_dsl
@@ -270,10 +281,103 @@ def test_cubins_spill_nothing(built: tuple[Path, dict[str, CuteExportRecord]]) -
     """No local memory (spills) and at most 255 registers a thread (256 threads a CTA)."""
     out, records = built
     assert_spill_free(out / rec.name / rec.object_file
-                      for rec in (records[_name(*v)] for v in VARIANTS))
+                      for rec in ([records[_name(*v)] for v in VARIANTS]
+                                  + [records[_name(*v, impl=PERSISTENT)]
+                                     for v in PERSISTENT_VARIANTS]))
 
 
 @needs_cute_dsl
 def test_libraries_open_without_cutlass(built: tuple[Path, dict[str, CuteExportRecord]]) -> None:
     out, _ = built
     assert len(open_without_cutlass(out / _name(*v) for v in VARIANTS)) == len(VARIANTS)
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    ({"layout": "compact"}, "fast mode of the noncompact layout, not layout=compact"),
+    ({"deterministic": True}, "impl=wgmma_ws_persistent has no deterministic bwd_main"),
+    ({"heads": 32}, r"supports heads \(64, 128\), not heads=32; use impl=wgmma_ws_slot_major"),
+])
+def test_what_the_persistent_mode_cannot_build_is_refused(kwargs: dict, fragment: str) -> None:
+    """The persistent mode is the noncompact layout's fast mode at H64/H128: anything else is
+    refused by name, by the build request and by the spec check."""
+    request = dict(kernel="bwd_main", arch="sm_90a", d_qk=576, heads=64, layout="noncompact",
+                   impl=PERSISTENT) | kwargs
+    with pytest.raises(ValueError, match=fragment):
+        BuildRequest(**request)
+    spec = _spec(flavour=PERSISTENT, **({"layout": "noncompact"} | kwargs))
+    with pytest.raises(ValueError, match=fragment):
+        get_backend("cutedsl").check_spec(spec)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: the persistent mode against wgmma_ws and the reference
+# --------------------------------------------------------------------------------------------
+
+def _loaded_bwd(d_qk: int, heads: int, flavour: str | None):
+    """A noncompact cutedsl bwd through the production loader (a prebuilt or cached artifact),
+    else built and published into the loader's writable cache."""
+    from dsa_aot.build import build_and_publish
+    from dsa_aot.loader import get_loader
+
+    spec = _spec(heads, flavour=flavour, d_qk=d_qk, layout="noncompact")
+    loader = get_loader()
+    hit = loader.try_load(spec, 0)
+    if hit is not None:
+        return hit[0]
+    store = loader.writable_store()
+    done = build_and_publish(store, spec, loader.toolchain())
+    return get_backend("cutedsl").load(done.manifest, done.read(store), 0)
+
+
+def _rel(x, ref) -> float:
+    ref = ref.double()
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s_q,heads,d_qk,topk", [
+    (531, 64, 576, 256),    # two rows a CTA, the last CTA one
+    (800, 128, 512, 128),   # three rows a CTA (two head blocks), the last CTA two
+    (1057, 64, 512, 192),   # four rows a CTA (topk not a multiple of 64), the last CTA one
+    (1100, 128, 576, 64),   # four rows a CTA, one block a row
+    (40, 64, 576, 320),     # one row a CTA
+])
+def test_gpu_persistent_matches_wgmma_ws(s_q: int, heads: int, d_qk: int, topk: int) -> None:
+    """Several query rows a CTA give wgmma_ws's dq bit for bit (each row's dQ is a register sum
+    in the same order) and its dkv and d_sink up to the atomics' order; both match the fp64
+    reference. Random inputs, padded rows (-1, out-of-range indices), a row without a valid
+    slot; the outputs are the runtime's own (it poisons nothing: NaN fails the checks)."""
+    import torch
+
+    from dsa_aot.kernels.reference import sparse_mla_bwd_ref, sparse_mla_fwd_ref
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    g = torch.Generator(device="cuda").manual_seed(s_q)
+    s_kv = 3000
+    q = torch.randn(s_q, heads, d_qk, device="cuda", generator=g).to(torch.bfloat16)
+    kv = torch.randn(s_kv, d_qk, device="cuda", generator=g).to(torch.bfloat16)
+    dout = torch.randn(s_q, heads, 512, device="cuda", generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, s_kv, (s_q, topk), device="cuda", generator=g, dtype=torch.int32)
+    bad = torch.tensor([-1, s_kv, -(2**31)], device="cuda", dtype=torch.int32)
+    where = torch.rand(s_q, topk, device="cuda", generator=g) < 0.1
+    idx = torch.where(where, bad[torch.randint(0, 3, (s_q, topk), device="cuda", generator=g)], idx)
+    keep = torch.randint(0, topk + 1, (s_q,), device="cuda", generator=g)  # padded tails
+    idx = torch.where(torch.arange(topk, device="cuda")[None, :] < keep[:, None], idx, -1)
+    idx[s_q // 2] = -1  # a row without a valid slot, mid-CTA
+    sink = torch.randn(heads, device="cuda", generator=g)
+    scale = d_qk ** -0.5
+    out, lse = sparse_mla_fwd_ref(q, kv, idx, None, sink, scale)
+    out, lse = out.to(torch.bfloat16), lse.float()
+    args = (q, kv, out, dout, lse, idx, None, sink, scale)
+    dq_ref, dkv_ref, dsink_ref = sparse_mla_bwd_ref(*args)
+    base = _loaded_bwd(d_qk, heads, None)(*args)
+    got = _loaded_bwd(d_qk, heads, PERSISTENT)(*args)
+    torch.cuda.synchronize()
+    for x in (*base, *got):
+        assert torch.isfinite(x).all()
+    assert torch.equal(got[0], base[0])
+    assert _rel(got[1], base[1]) < 1e-3 and _rel(got[2], base[2]) < 1e-3
+    for x, ref in zip(got, (dq_ref, dkv_ref, dsink_ref)):
+        assert _rel(x, ref) < 2e-2
+    assert torch.count_nonzero(got[0][s_q // 2]).item() == 0
