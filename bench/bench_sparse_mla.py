@@ -69,7 +69,7 @@ def peer_fwd(path: str | None):
 def variant_kernel(text: str, op: str, heads: int, d_qk: int, device: int):
     """The kernel of ``op:backend:field=value,...`` for this shape through the production loader
     (a stored artifact, else built and published into the cache), or None when the variant is
-    for another op."""
+    for another op or cannot take this shape (e.g. a flavour of other head counts)."""
     from dsa_aot.build import build_and_publish
     from dsa_aot.loader import get_loader
     from dsa_aot.specs.models import KernelSpec, TileConfig
@@ -80,6 +80,11 @@ def variant_kernel(text: str, op: str, heads: int, d_qk: int, device: int):
     tile = TileConfig(**{k: (int(v) if v.isdigit() else v) for k, v in
                          (f.split("=") for f in fields.split(",") if f)})
     spec = KernelSpec(op=op, arch="sm_90a", d_qk=d_qk, heads=heads, layout="noncompact", backend=backend, tile=tile)
+    try:  # a flavour for some head counts only: no row where it cannot build
+        get_backend(backend).check_spec(spec)
+    except ValueError as exc:
+        print(f"variant {text}: no row at h{heads} d{d_qk}: {exc}", file=sys.stderr)
+        return None
     loader = get_loader()
     hit = loader.try_load(spec, device)
     if hit is not None:

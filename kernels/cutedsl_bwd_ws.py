@@ -86,6 +86,9 @@ PERSISTENT_IMPL = "wgmma_ws_persistent"
 #: (about two waves of 132 SMs): rows_per_cta = clamp(s_q // PERSISTENT_MIN_CTAS, 1, MAX).
 PERSISTENT_MAX_ROWS = 4
 PERSISTENT_MIN_CTAS = 264
+#: The fast mode at H128 with the second head block of a row walking its blocks from the
+#: middle of the row: the two CTAs of a row add into different dKV rows at any one time.
+STAGGERED_IMPL = "wgmma_ws_staggered"
 #: Head counts this flavour supports (whole 64-head blocks).
 HEADS = (64, 128)
 WG_THREADS = 128
@@ -198,6 +201,8 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
 
     #: Whether the entry takes several query rows a CTA (:data:`PERSISTENT_IMPL`).
     PERSISTENT = False
+    #: Whether head block ``hb`` starts at block ``hb * (blocks // 2)`` (:data:`STAGGERED_IMPL`).
+    STAGGER = False
 
     def __init__(self, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
                  scatter: bool = True, deterministic: bool = False,
@@ -207,7 +212,6 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                          impl="wgmma", deterministic=deterministic)
         self.impl = IMPL
         self.fixed_point = deterministic and fixed_point
-        self.persistent = self.PERSISTENT and not deterministic
         #: whether the dKV warpgroup copies a block's KV rows out of the double-buffered
         #: ``s_idx`` (needed where the score warpgroup can refill it first: slot-major)
         self.copy_rows = False
@@ -261,7 +265,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                     lay["dout_t"], lay["kv_t"], lay["p_t"], row_copy, mma_s, mma_dq_rs, mma_dq_ss,
                     mma_kv), SharedStorage
 
-        if cutlass.const_expr(self.persistent):
+        if cutlass.const_expr(self.PERSISTENT and not self.deterministic):
             # one warpgroup's copies of a 64 x 64 tile of q or dout: 16 rows a pass
             wg_copy = cute.make_tiled_copy_tv(
                 g2s, cute.make_layout((WG_THREADS // vecs, vecs), stride=(vecs, 1)),
@@ -448,8 +452,8 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                                           smem_views["valid"], wtid // (TILE // VEC), wtid)
         if wg == 0:
             if n_blocks > 0:
-                self.gather(self.load_indices(0, t, m_idx, n_slots, wtid // (TILE // VEC)), 0,
-                            *gather_args)
+                self.gather(self.load_indices(self.block_at(0, hb, n_blocks), t, m_idx, n_slots,
+                                              wtid // (TILE // VEC)), 0, *gather_args)
             cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_view_async_shared()  # cp.async / zero-fill writes -> wgmma reads
@@ -470,6 +474,13 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
             else:
                 self.dkv_warpgroup(t, hb, n_blocks, topk, m_dq, m_dkv, smem_views, mma_dq_ss,
                                    mma_kv, wtid, measure)
+
+    def block_at(self, step, hb: Int32, n_blocks: Int32):
+        """The row's block a CTA takes at ``step``: ``step`` itself, or with :attr:`STAGGER`
+        ``(step + hb (n_blocks / 2)) % n_blocks``."""
+        if cutlass.const_expr(self.STAGGER and not self.deterministic):
+            return (step + hb * (n_blocks // 2)) % n_blocks
+        return step
 
     @cute.jit
     def load_query_row(self, t: Int32, hb: Int32, m_q: cute.Tensor, m_do: cute.Tensor,
@@ -528,7 +539,8 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
             delta_r = [sm["delta"][coords[r, 0][0]] for r in range(rows_per_thread)]
             for b in cutlass.range(n_blocks, unroll=1):
                 buf = (b % 2) * BLOCK_N
-                upcoming = self.load_indices(b + 1, t, m_idx, n_slots, row_in_pass)
+                upcoming = self.load_indices(self.block_at(b + 1, hb, n_blocks), t, m_idx,
+                                             n_slots, row_in_pass)
                 if b > 0:  # this warpgroup's gather of block b is in; make it visible to all
                     cute.arch.cp_async_wait_group(0)
                     cute.arch.fence_view_async_shared()
@@ -838,6 +850,18 @@ class SparseMlaBwdWsNoncompactPersistent(SparseMlaBwdWsNoncompact):
     PERSISTENT = True
 
 
+class SparseMlaBwdWsCompactStaggered(SparseMlaBwdWsCompact):
+    """Entry point of the staggered fast mode (:data:`STAGGERED_IMPL`), compact layout."""
+
+    STAGGER = True
+
+
+class SparseMlaBwdWsNoncompactStaggered(SparseMlaBwdWsNoncompact):
+    """Entry point of the staggered fast mode (:data:`STAGGERED_IMPL`), noncompact layout."""
+
+    STAGGER = True
+
+
 class SparseMlaBwdWsCompactDeterministic(DeterministicCompactEntry, SparseMlaBwdWs):
     """Entry point of the deterministic mode (stored rows), compact layout."""
 
@@ -861,10 +885,13 @@ def compile_bwd_ws(arch: str, d_qk: int, heads: int, layout: str, atomic_width: 
     Returns the compiled function and the fake arguments (those of
     :func:`~dsa_aot.kernels.cutedsl_bwd_main.fake_arguments`) it was compiled with. ``impl`` is
     the build's flavour name, this module's (:data:`IMPL`, :data:`PERSISTENT_IMPL` for several
-    query rows a CTA, or :data:`FIXED_IMPL` for the fixed-point deterministic mode)."""
+    query rows a CTA, :data:`STAGGERED_IMPL` for H128's head blocks half a row apart, or
+    :data:`FIXED_IMPL` for the fixed-point deterministic mode)."""
     entries = {(False, "compact"): SparseMlaBwdWsCompact,
                (False, "noncompact"): SparseMlaBwdWsNoncompact,
                (False, "noncompact", "persistent"): SparseMlaBwdWsNoncompactPersistent,
+               (False, "compact", "staggered"): SparseMlaBwdWsCompactStaggered,
+               (False, "noncompact", "staggered"): SparseMlaBwdWsNoncompactStaggered,
                (True, "compact"): SparseMlaBwdWsCompactDeterministic,
                (True, "noncompact"): SparseMlaBwdWsNoncompactDeterministic,
                (True, "compact", True): SparseMlaBwdWsCompactFixedPoint,
@@ -873,8 +900,9 @@ def compile_bwd_ws(arch: str, d_qk: int, heads: int, layout: str, atomic_width: 
                            scatter, impl, extra_options, deterministic)
 
 
-__all__ = ["FIXED_IMPL", "HEADS", "IMPL", "PERSISTENT_IMPL", "SparseMlaBwdWs",
-           "SparseMlaBwdWsCompact", "SparseMlaBwdWsNoncompactPersistent",
+__all__ = ["FIXED_IMPL", "HEADS", "IMPL", "PERSISTENT_IMPL", "STAGGERED_IMPL", "SparseMlaBwdWs",
+           "SparseMlaBwdWsCompact", "SparseMlaBwdWsCompactStaggered",
+           "SparseMlaBwdWsNoncompactPersistent", "SparseMlaBwdWsNoncompactStaggered",
            "SparseMlaBwdWsCompactDeterministic", "SparseMlaBwdWsNoncompact",
            "SparseMlaBwdWsNoncompactDeterministic", "LAYOUT_ORDER",
            "can_implement", "check_params", "compile_bwd_ws", "ws_smem_layouts", "ws_smem_views"]
