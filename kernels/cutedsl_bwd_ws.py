@@ -705,14 +705,14 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                     self.dkv_block(b, (g % 2) * BLOCK_N, g + 1 < total, row,
                                    ((g + 1 < total) & (b + 1 == n_blocks), row + 1, hb, m_q,
                                     m_do, sm, wg_copy, wtid), *state)
-                if cutlass.const_expr(n_dq > 0):
-                    self.store_dq(row, hb, m_dq, acc_dq, thr_dq, self.score_dq_tiles)
-                    for k in cutlass.range_constexpr(n_dq):
-                        acc_dq[k].fill(0.0)
                 if i + 1 < n_rows:  # the next row's q and dout are in: warpgroup 0 may score it
                     cute.arch.cp_async_wait_group(0)
                     cute.arch.fence_view_async_shared()
                     cute.arch.barrier_arrive(barrier_id=BAR_QDO_FULL, number_of_threads=THREADS)
+                if cutlass.const_expr(n_dq > 0):  # (under the next row's first scores)
+                    self.store_dq(row, hb, m_dq, acc_dq, thr_dq, self.score_dq_tiles)
+                    for k in cutlass.range_constexpr(n_dq):
+                        acc_dq[k].fill(0.0)
 
     @cute.jit
     def dkv_block(self, b: Int32, buf: Int32, more: cutlass.Boolean, t: Int32,
