@@ -115,11 +115,10 @@ class BuildRequest(BaseModel):
                                  f"not {self.impl}")
             if self.impl not in (None, "mma") and self.arch != "sm_90a":
                 raise ValueError(f"impl={self.impl} needs sm_90a, not {self.arch}; use impl=mma")
-            if self.impl == "wgmma_ws_persistent" and (self.deterministic
-                                                       or self.layout != "noncompact"):
+            if self.impl == "wgmma_ws_persistent" and self.layout != "noncompact":
+                # (its deterministic refusal is the check above)
                 raise ValueError(f"impl={self.impl} is a fast mode of the noncompact layout, not "
-                                 f"layout={self.layout} with deterministic={self.deterministic}; "
-                                 "use impl=wgmma_ws")
+                                 f"layout={self.layout}; use impl=wgmma_ws")
             if self.impl in BWD_MAIN_HEADS and self.heads not in BWD_MAIN_HEADS[self.impl]:
                 other = {"wgmma_ws": "wgmma_ws_slot_major",
                          "wgmma_ws_persistent": "wgmma_ws_slot_major",
