@@ -76,15 +76,19 @@ BWD_MAIN_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma", "sm_100a": "mma"}
 #: ... except at these (arch, heads): the slot-major kernel with a score and a dKV warpgroup at
 #: H16/H32 (its MMAs multiply no padded heads and its atomics run beside the next block's score
 #: GEMMs: 1.05 -> 1.15x the cuDNN frontend at H32 D576) and the head-major kernel with the same
-#: two roles at H64/H128 (0.83 -> 0.99x at H64 D576); bench/results/h200_bwd_versions.md.
+#: two roles at H64/H128 (0.83 -> 0.99x at H64 D576; bench/results/h200_bwd_versions.md), at
+#: H128 with the row's second head block starting mid-row (paired against the frontend on an
+#: H100, three runs: 0.98-0.999 against 0.97-0.984 at D576; bench/results/h100_bwd_staggered.md).
 BWD_MAIN_DEFAULT_IMPL_BY_HEADS: dict[tuple[str, int], str] = {
     ("sm_90a", 16): "wgmma_ws_slot_major", ("sm_90a", 32): "wgmma_ws_slot_major",
-    ("sm_90a", 64): "wgmma_ws", ("sm_90a", 128): "wgmma_ws"}
+    ("sm_90a", 64): "wgmma_ws", ("sm_90a", 128): "wgmma_ws_staggered"}
 #: ... and in the deterministic mode, where no atomics are left to hide: the slot-major kernel
 #: at H16/H32, whose two warpgroups share every phase (main kernel 4.59 vs 5.29 ms at H32 D576,
-#: bench/results/h200_bwd_versions.md).
+#: bench/results/h200_bwd_versions.md); at H128 ``wgmma_ws`` (the staggered order is a fast
+#: mode only).
 BWD_MAIN_DETERMINISTIC_DEFAULT_IMPL_BY_HEADS: dict[tuple[str, int], str] = {
-    ("sm_90a", 16): "wgmma_slot_major", ("sm_90a", 32): "wgmma_slot_major"}
+    ("sm_90a", 16): "wgmma_slot_major", ("sm_90a", 32): "wgmma_slot_major",
+    ("sm_90a", 128): "wgmma_ws"}
 #: The fixed-point deterministic flavour per head count (``DSA_AOT_DETERMINISTIC_MODE=fixed_point``).
 FIXED_POINT_IMPL_BY_HEADS: dict[int, str] = {16: "wgmma_ws_slot_major_fixed",
                                              32: "wgmma_ws_slot_major_fixed",

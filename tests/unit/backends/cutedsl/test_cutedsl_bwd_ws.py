@@ -2,8 +2,8 @@
 
 A ``tile.flavour = "wgmma_ws"`` bwd spec becomes the main stage's impl, names its artifact apart
 from the ``wgmma`` one (the suffix goes to whichever is not the default at H64 / H128) and keys
-its build on the flavour's module; a spec without a flavour gets the default, a deterministic one
-too (in its deterministic mode); the forward's own ``wgmma_ws`` flavour is left alone. Requests,
+its build on the flavour's module; a spec without a flavour gets the default (``wgmma_ws``, at H128
+``wgmma_ws_staggered``), a deterministic one ``wgmma_ws`` in its deterministic mode; the forward's own ``wgmma_ws`` flavour is left alone. Requests,
 specs, catalogs and the kernel module refuse other archs and other head counts by name, and ``compile_bwd_main`` refuses to build the flavour. The shared-memory views the kernel
 reads as MN-major operands alias its K-major tiles byte for byte, and one CTA's shared memory fits
 the 227 KiB of an sm_90a CTA. Four variants (both D, both H, both layouts) compile, export and
@@ -78,12 +78,15 @@ def test_flavour_becomes_the_main_stage_impl_and_names_the_artifact() -> None:
                                                        "layout": "noncompact", "impl": IMPL})
     assert (pre.impl, post.impl) == (None, None)
     backend.check_spec(_spec(64))
-    # a wgmma_ws and a wgmma build of one shape never share a name: the non-default one is suffixed
+    # builds of one shape with different flavours never share a name: a flavour other than the
+    # heads' default is suffixed
     for heads in BWD_WS_HEADS:
-        other = "wgmma" if bwd_main_default_impl("sm_90a", heads) == IMPL else IMPL
+        default = bwd_main_default_impl("sm_90a", heads)
         base = f"cutedsl_bwd_main_sm_90a_d512_h{heads}_noncompact"
-        assert {_name(512, heads, "noncompact", impl) for impl in (IMPL, "wgmma")} == {
-            f"{base}_static", f"{base}_{other}_static"}
+        impls = {IMPL, "wgmma", default}
+        assert {_name(512, heads, "noncompact", impl) for impl in impls} == {
+            f"{base}_static" if impl == default else f"{base}_{impl}_static" for impl in impls}
+        assert len(impls) == len({_name(512, heads, "noncompact", impl) for impl in impls})
     # the build key follows the flavour's module (and the wgmma kernel it builds on)
     assert backend.kernel_sources(_spec(64)) == (
         "dsa_aot.kernels.cutedsl_bwd_preprocess", MODULE, "dsa_aot.kernels.cutedsl_bwd_postprocess")
@@ -99,16 +102,17 @@ def test_specs_without_a_flavour_at_its_heads(heads: int) -> None:
     module), in the deterministic backward too."""
     backend = get_backend("cutedsl")
     default = bwd_main_default_impl("sm_90a", heads)
-    assert default in ("wgmma", IMPL)
+    assert default == (STAGGERED if heads == 128 else IMPL)
     spec = _spec(heads, flavour=None)
     _, main, _ = requests_for(spec, BWD_STAGES)
     assert (main.impl, main.compile_params["impl"]) == (None, default)
-    assert (MODULE in backend.kernel_sources(spec)) == (default == IMPL)
+    assert MODULE in backend.kernel_sources(spec)
+    # the staggered order is a fast mode only: the deterministic backward keeps wgmma_ws
     det = _spec(heads, flavour=None, deterministic=True)
     backend.check_spec(det)
     _, main, _ = requests_for(det, BWD_STAGES)
-    assert main.deterministic and main.compile_params["impl"] == default
-    assert (MODULE in backend.kernel_sources(det)) == (default == IMPL)
+    assert main.deterministic and main.compile_params["impl"] == IMPL
+    assert MODULE in backend.kernel_sources(det)
 
 
 @pytest.mark.parametrize("kwargs,fragment", [
