@@ -51,12 +51,13 @@ whole-line adds, order-free; a launch whose control word is set returns at once.
 score warpgroup takes a fifth dQ tile (the adds need warpgroup 1's registers). dQ is a per-row
 register sum, fixed order, in both modes.
 
-Opt-in fast variants (same arguments): ``impl="wgmma_ws_persistent"`` (noncompact) takes up to
+Fast variants (same arguments): ``impl="wgmma_ws_persistent"`` (opt-in, noncompact) takes up to
 :data:`PERSISTENT_MAX_ROWS` consecutive query rows a CTA as one stream of blocks: in a row's last
 block warpgroup 1 loads the next row's ``q`` / ``dout`` columns as each dKV chunk's MMAs finish
 (``BAR_QDO_FULL`` once they are in) while warpgroup 0 gathers the next row's first block;
-``impl="wgmma_ws_staggered"`` (H 128) starts a row's second head block at the middle of the row
-(:meth:`SparseMlaBwdWs.block_at`). Measured in ``bench/results/h100_bwd_persistent_staggered.md``.
+``impl="wgmma_ws_staggered"`` (H 128, the sm_90a fast-mode default there) starts a row's second
+head block at the middle of the row (:meth:`SparseMlaBwdWs.block_at`). Measured in
+``bench/results/h100_bwd_persistent_staggered.md`` and ``bench/results/h100_bwd_staggered.md``.
 
 This module imports ``cutlass``: use it in a build process only.
 """
