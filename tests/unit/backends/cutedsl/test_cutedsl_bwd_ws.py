@@ -397,7 +397,7 @@ def test_gpu_fast_variants_match_wgmma_ws(impl: str, s_q: int, heads: int, d_qk:
     out, lse = out.to(torch.bfloat16), lse.float()
     args = (q, kv, out, dout, lse, idx, None, sink, scale)
     dq_ref, dkv_ref, dsink_ref = sparse_mla_bwd_ref(*args)
-    base = _loaded_bwd(d_qk, heads, None)(*args)
+    base = _loaded_bwd(d_qk, heads, IMPL)(*args)  # named: the H128 default is the staggered one
     got = _loaded_bwd(d_qk, heads, impl)(*args)
     torch.cuda.synchronize()
     for x in (*base, *got):
