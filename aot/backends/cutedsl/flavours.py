@@ -78,7 +78,7 @@ BWD_MAIN_DEFAULT_IMPL: dict[str, str] = {"sm_90a": "wgmma", "sm_100a": "mma"}
 #: GEMMs: 1.05 -> 1.15x the cuDNN frontend at H32 D576) and the head-major kernel with the same
 #: two roles at H64/H128 (0.83 -> 0.99x at H64 D576; bench/results/h200_bwd_versions.md), at
 #: H128 with the row's second head block starting mid-row (paired against the frontend on an
-#: H100, three runs: 0.98-0.999 against 0.97-0.984 at D576; bench/results/h100_bwd_staggered.md).
+#: H100, three runs: 0.988-0.999 against 0.972-0.984 at D576; bench/results/h100_bwd_staggered.md).
 BWD_MAIN_DEFAULT_IMPL_BY_HEADS: dict[tuple[str, int], str] = {
     ("sm_90a", 16): "wgmma_ws_slot_major", ("sm_90a", 32): "wgmma_ws_slot_major",
     ("sm_90a", 64): "wgmma_ws", ("sm_90a", 128): "wgmma_ws_staggered"}
