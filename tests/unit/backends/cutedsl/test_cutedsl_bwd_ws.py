@@ -7,10 +7,11 @@ H128 ``wgmma_ws_staggered``), a deterministic one ``wgmma_ws`` in its determinis
 forward's own ``wgmma_ws`` flavour is left alone. Requests, specs, catalogs and the kernel
 module refuse other archs and other head counts by name, and ``compile_bwd_main`` refuses to
 build the flavour. The shared-memory views the kernel reads as MN-major operands alias its
-K-major tiles byte for byte, and one CTA's shared memory fits the 227 KiB of an sm_90a CTA. Four variants (both D, both H, both layouts) compile, export and
-link for sm_90a through :func:`dsa_aot.backends.cutedsl.build.build_cutedsl`: their records and C
-ABI equal the ``wgmma`` flavour's (same arguments, same descriptors), a fresh process opens them
-without ``cutlass``, and the embedded cubins spill nothing (no local memory) within 255 registers.
+K-major tiles byte for byte, and one CTA's shared memory fits the 227 KiB of an sm_90a CTA.
+Four variants (both D, both H, both layouts) compile, export and link for sm_90a through
+:func:`dsa_aot.backends.cutedsl.build.build_cutedsl`: their records and C ABI equal the
+``wgmma`` flavour's (same arguments, same descriptors), a fresh process opens them without
+``cutlass``, and the embedded cubins spill nothing (no local memory) within 255 registers.
 Numerics: ``tests/unit/backends/cutedsl/test_cutedsl_bwd_main_kernel.py -m gpu``
 (``DSA_AOT_GPU_TEST_IMPLS=wgmma_ws``), not here.
 """
