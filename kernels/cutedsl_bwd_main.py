@@ -1087,15 +1087,15 @@ def compile_flavour(entries: dict[tuple, type], module_impl: str, check,
                     deterministic: bool) -> tuple[object, dict[str, object]]:
     """``cute.compile`` the entry class ``entries[deterministic, layout]`` of a flavour module
     whose flavour is ``module_impl`` (``entries[True, layout, True]`` for ``impl=module_impl +
-    "_fixed"``, the fixed-point deterministic mode, and ``entries[False, layout, name]`` for a
-    fast-mode variant ``impl=module_impl + "_" + name`` such as ``_persistent``, where the module
+    "_fixed"``, the fixed-point deterministic mode, and ``entries[deterministic, layout, name]``
+    for a variant ``impl=module_impl + "_" + name`` such as ``_persistent``, where the module
     has them): refuses another ``impl``, then parameters that ``check(d_qk, heads, layout,
     arch)`` refuses. Returns the compiled function and the fake arguments it was compiled
     with."""
     fixed = impl == module_impl + "_fixed" and (True, layout, True) in entries
-    fast_variants = {module_impl + "_" + key[2] for key in entries
-                     if len(key) == 3 and isinstance(key[2], str)}
-    variant = impl in fast_variants
+    variants = {module_impl + "_" + key[2] for key in entries
+                if len(key) == 3 and isinstance(key[2], str)}
+    variant = impl in variants
     if impl != module_impl and not (fixed or variant):
         raise ValueError(f"impl={impl!r}: this module builds impl={module_impl!r}"
                          + (f" or {module_impl + '_fixed'!r}" if (True, layout, True) in entries
@@ -1103,10 +1103,11 @@ def compile_flavour(entries: dict[tuple, type], module_impl: str, check,
     if fixed and not deterministic:
         raise ValueError(f"impl={impl!r} is a deterministic mode: pass deterministic=True, or "
                          f"impl={module_impl!r} for the fast mode")
-    key = (False, layout, impl[len(module_impl) + 1:])
-    if variant and (deterministic or key not in entries):
-        layouts = sorted(k[1] for k in entries if k[0] is False and k[2:] == key[2:])
-        raise ValueError(f"impl={impl!r} is a fast mode of layout {' or '.join(layouts)}, not "
+    key = (deterministic, layout, impl[len(module_impl) + 1:])
+    if variant and key not in entries:
+        modes = sorted(f"layout={k[1]!r} with deterministic={k[0]}" for k in entries
+                       if k[2:] == key[2:])
+        raise ValueError(f"impl={impl!r} is built for {' or '.join(modes)}, not "
                          f"layout={layout!r} with deterministic={deterministic}; use "
                          f"impl={module_impl!r}")
     check(d_qk, heads, layout, arch)

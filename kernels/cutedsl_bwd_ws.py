@@ -55,8 +55,9 @@ Fast variants (same arguments): ``impl="wgmma_ws_persistent"`` (opt-in, noncompa
 :data:`PERSISTENT_MAX_ROWS` consecutive query rows a CTA as one stream of blocks: in a row's last
 block warpgroup 1 loads the next row's ``q`` / ``dout`` columns as each dKV chunk's MMAs finish
 (``BAR_QDO_FULL`` once they are in) while warpgroup 0 gathers the next row's first block;
-``impl="wgmma_ws_staggered"`` (H 128, the sm_90a fast-mode default there) starts a row's second
-head block at the middle of the row (:meth:`SparseMlaBwdWs.block_at`). Measured in
+``impl="wgmma_ws_staggered"`` (H 128, the sm_90a default there, with a stored-rows
+deterministic mode; the fixed-point mode walks the same order) starts a row's second head block
+at the middle of the row (:meth:`SparseMlaBwdWs.block_at`). Measured in
 ``bench/results/h100_bwd_persistent_staggered.md`` and ``bench/results/h100_bwd_staggered.md``.
 
 This module imports ``cutlass``: use it in a build process only.
@@ -485,8 +486,9 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
 
     def block_at(self, step, hb: Int32, n_blocks: Int32):
         """The row's block a CTA takes at ``step``: ``step`` itself, or with :attr:`STAGGER`
-        ``(step + hb (n_blocks / 2)) % n_blocks``."""
-        if cutlass.const_expr(self.STAGGER and not self.deterministic):
+        ``(step + hb (n_blocks / 2)) % n_blocks`` (in every mode: the stored rows and the
+        fixed-point adds do not depend on the order, and dq's fixed order is the fast mode's)."""
+        if cutlass.const_expr(self.STAGGER):
             return (step + hb * (n_blocks // 2)) % n_blocks
         return step
 
@@ -699,7 +701,8 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                  hb, measure]
         if cutlass.const_expr(persistent is None):
             for b in cutlass.range(n_blocks, unroll=1):
-                self.dkv_block(b, (b % 2) * BLOCK_N, b + 1 < n_blocks, t, None, *state)
+                self.dkv_block(self.block_at(b, hb, n_blocks), (b % 2) * BLOCK_N,
+                               b + 1 < n_blocks, t, None, *state)
             if cutlass.const_expr(n_dq > 0):
                 self.store_dq(t, hb, m_dq, acc_dq, thr_dq, self.score_dq_tiles)
         else:
@@ -878,12 +881,30 @@ class SparseMlaBwdWsNoncompactDeterministic(DeterministicNoncompactEntry, Sparse
     """Entry point of the deterministic mode (stored rows), noncompact layout."""
 
 
+class SparseMlaBwdWsCompactDeterministicStaggered(SparseMlaBwdWsCompactDeterministic):
+    """Entry point of the staggered order's deterministic mode (stored rows), compact layout."""
+
+    STAGGER = True
+
+
+class SparseMlaBwdWsNoncompactDeterministicStaggered(SparseMlaBwdWsNoncompactDeterministic):
+    """Entry point of the staggered order's deterministic mode (stored rows), noncompact layout."""
+
+    STAGGER = True
+
+
 class SparseMlaBwdWsCompactFixedPoint(FixedPointCompactEntry, SparseMlaBwdWs):
-    """Entry point of the fixed-point deterministic mode, compact layout."""
+    """Entry point of the fixed-point deterministic mode, compact layout (at H128 in the staggered
+    order of the fast mode's default, so dq is the fast mode's bit for bit)."""
+
+    STAGGER = True
 
 
 class SparseMlaBwdWsNoncompactFixedPoint(FixedPointNoncompactEntry, SparseMlaBwdWs):
-    """Entry point of the fixed-point deterministic mode, noncompact layout."""
+    """Entry point of the fixed-point deterministic mode, noncompact layout (staggered at H128,
+    as the compact one)."""
+
+    STAGGER = True
 
 
 def compile_bwd_ws(arch: str, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
@@ -902,6 +923,8 @@ def compile_bwd_ws(arch: str, d_qk: int, heads: int, layout: str, atomic_width: 
                (False, "noncompact", "staggered"): SparseMlaBwdWsNoncompactStaggered,
                (True, "compact"): SparseMlaBwdWsCompactDeterministic,
                (True, "noncompact"): SparseMlaBwdWsNoncompactDeterministic,
+               (True, "compact", "staggered"): SparseMlaBwdWsCompactDeterministicStaggered,
+               (True, "noncompact", "staggered"): SparseMlaBwdWsNoncompactDeterministicStaggered,
                (True, "compact", True): SparseMlaBwdWsCompactFixedPoint,
                (True, "noncompact", True): SparseMlaBwdWsNoncompactFixedPoint}
     return compile_flavour(entries, IMPL, check_params, arch, d_qk, heads, layout, atomic_width,
@@ -912,5 +935,6 @@ __all__ = ["FIXED_IMPL", "HEADS", "IMPL", "PERSISTENT_IMPL", "STAGGERED_IMPL", "
            "SparseMlaBwdWsCompact", "SparseMlaBwdWsCompactStaggered",
            "SparseMlaBwdWsNoncompactPersistent", "SparseMlaBwdWsNoncompactStaggered",
            "SparseMlaBwdWsCompactDeterministic", "SparseMlaBwdWsNoncompact",
-           "SparseMlaBwdWsNoncompactDeterministic", "LAYOUT_ORDER",
+           "SparseMlaBwdWsNoncompactDeterministic", "SparseMlaBwdWsCompactDeterministicStaggered",
+           "SparseMlaBwdWsNoncompactDeterministicStaggered", "LAYOUT_ORDER",
            "can_implement", "check_params", "compile_bwd_ws", "ws_smem_layouts", "ws_smem_views"]

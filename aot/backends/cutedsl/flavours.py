@@ -18,7 +18,7 @@ FwdImpl = Literal["mma", "wgmma", "wgmma_pipe", "wgmma_ws", "wgmma_split"]
 #: deterministic mode (int32 adds, ``dsa_aot.fixed_point``; deterministic specs only).
 #: ``wgmma_ws_persistent``: the ``wgmma_ws`` fast mode taking several query rows a CTA, the next
 #: row's loads under the last block's dKV adds (noncompact layout). ``wgmma_ws_staggered``: the
-#: ``wgmma_ws`` fast mode at H128 with a row's second head block starting mid-row.
+#: ``wgmma_ws`` order at H128 with a row's second head block starting mid-row (both modes).
 BwdMainImpl = Literal["mma", "wgmma", "wgmma_slot_major", "wgmma_ws", "wgmma_ws_slot_major",
                       "wgmma_ws_fixed", "wgmma_ws_slot_major_fixed", "wgmma_ws_persistent",
                       "wgmma_ws_staggered"]
@@ -84,11 +84,9 @@ BWD_MAIN_DEFAULT_IMPL_BY_HEADS: dict[tuple[str, int], str] = {
     ("sm_90a", 64): "wgmma_ws", ("sm_90a", 128): "wgmma_ws_staggered"}
 #: ... and in the deterministic mode, where no atomics are left to hide: the slot-major kernel
 #: at H16/H32, whose two warpgroups share every phase (main kernel 4.59 vs 5.29 ms at H32 D576,
-#: bench/results/h200_bwd_versions.md); at H128 ``wgmma_ws`` (the staggered order is a fast
-#: mode only).
+#: bench/results/h200_bwd_versions.md).
 BWD_MAIN_DETERMINISTIC_DEFAULT_IMPL_BY_HEADS: dict[tuple[str, int], str] = {
-    ("sm_90a", 16): "wgmma_slot_major", ("sm_90a", 32): "wgmma_slot_major",
-    ("sm_90a", 128): "wgmma_ws"}
+    ("sm_90a", 16): "wgmma_slot_major", ("sm_90a", 32): "wgmma_slot_major"}
 #: The fixed-point deterministic flavour per head count (``DSA_AOT_DETERMINISTIC_MODE=fixed_point``).
 FIXED_POINT_IMPL_BY_HEADS: dict[int, str] = {16: "wgmma_ws_slot_major_fixed",
                                              32: "wgmma_ws_slot_major_fixed",
@@ -98,9 +96,11 @@ FIXED_POINT_IMPLS: tuple[str, ...] = ("wgmma_ws_fixed", "wgmma_ws_slot_major_fix
 
 
 #: The backward main flavours with a deterministic mode, sm_90a only: stored per-slot dkv rows
-#: (the first three) or fixed-point adds (the ``_fixed`` ones).
+#: (all but the ``_fixed`` ones) or fixed-point adds (the ``_fixed`` ones; ``wgmma_ws_fixed``
+#: walks H128's head blocks in the staggered order, as the fast mode's default there).
 DETERMINISTIC_BWD_MAIN_IMPLS: tuple[str, ...] = ("wgmma_ws", "wgmma_slot_major",
-                                                 "wgmma_ws_slot_major", *FIXED_POINT_IMPLS)
+                                                 "wgmma_ws_slot_major", "wgmma_ws_staggered",
+                                                 *FIXED_POINT_IMPLS)
 
 
 def bwd_main_default_impl(arch: str, heads: int | None, deterministic: bool = False) -> str:

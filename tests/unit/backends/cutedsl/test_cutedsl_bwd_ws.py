@@ -3,12 +3,12 @@
 A ``tile.flavour = "wgmma_ws"`` bwd spec becomes the main stage's impl, names its artifact apart
 from the ``wgmma`` one (the suffix goes to whichever is not the default at H64 / H128) and keys
 its build on the flavour's module; a spec without a flavour gets the default (``wgmma_ws``, at
-H128 ``wgmma_ws_staggered``), a deterministic one ``wgmma_ws`` in its deterministic mode; the
-forward's own ``wgmma_ws`` flavour is left alone. Requests, specs, catalogs and the kernel
-module refuse other archs and other head counts by name, and ``compile_bwd_main`` refuses to
-build the flavour. The shared-memory views the kernel reads as MN-major operands alias its
-K-major tiles byte for byte, and one CTA's shared memory fits the 227 KiB of an sm_90a CTA.
-Four variants (both D, both H, both layouts) compile, export and link for sm_90a through
+H128 ``wgmma_ws_staggered``), a deterministic one too (in its deterministic mode); the forward's
+own ``wgmma_ws`` flavour is left alone. Requests, specs, catalogs and the kernel module refuse
+other archs and other head counts by name, and ``compile_bwd_main`` refuses to build the flavour.
+The shared-memory views the kernel reads as MN-major operands alias its K-major tiles byte for
+byte, and one CTA's shared memory fits the 227 KiB of an sm_90a CTA. Four variants (both D, both
+H, both layouts) compile, export and link for sm_90a through
 :func:`dsa_aot.backends.cutedsl.build.build_cutedsl`: their records and C ABI equal the
 ``wgmma`` flavour's (same arguments, same descriptors), a fresh process opens them without
 ``cutlass``, and the embedded cubins spill nothing (no local memory) within 255 registers.
@@ -109,11 +109,10 @@ def test_specs_without_a_flavour_at_its_heads(heads: int) -> None:
     _, main, _ = requests_for(spec, BWD_STAGES)
     assert (main.impl, main.compile_params["impl"]) == (None, default)
     assert MODULE in backend.kernel_sources(spec)
-    # the staggered order is a fast mode only: the deterministic backward keeps wgmma_ws
     det = _spec(heads, flavour=None, deterministic=True)
     backend.check_spec(det)
     _, main, _ = requests_for(det, BWD_STAGES)
-    assert main.deterministic and main.compile_params["impl"] == IMPL
+    assert main.deterministic and main.compile_params["impl"] == default
     assert MODULE in backend.kernel_sources(det)
 
 
@@ -317,13 +316,12 @@ def test_libraries_open_without_cutlass(built: tuple[Path, dict[str, CuteExportR
     (PERSISTENT, {"heads": 32},
      r"supports heads \(64, 128\), not heads=32; use impl=wgmma_ws_slot_major"),
     (STAGGERED, {"heads": 64}, r"supports heads \(128,\), not heads=64; use impl=wgmma_ws"),
-    (STAGGERED, {"deterministic": True}, "impl=wgmma_ws_staggered has no deterministic bwd_main"),
 ])
 def test_what_the_fast_variants_cannot_build_is_refused(impl: str, kwargs: dict,
                                                        fragment: str) -> None:
-    """The persistent mode is the noncompact layout's fast mode at H64/H128, the staggered one a
-    fast mode at H128: anything else is refused by name, by the build request and by the spec
-    check."""
+    """The persistent mode is the noncompact layout's fast mode at H64/H128, the staggered order
+    is built at H128 only: anything else is refused by name, by the build request and by the
+    spec check."""
     request = dict(kernel="bwd_main", arch="sm_90a", d_qk=576, heads=128, layout="noncompact",
                    impl=impl) | kwargs
     with pytest.raises(ValueError, match=fragment):

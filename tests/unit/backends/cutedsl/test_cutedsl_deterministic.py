@@ -64,7 +64,7 @@ def test_requests_carry_the_variant_to_every_stage():
     requests = requests_for(spec, BACKENDS["cutedsl"].stages["bwd"])
     assert [r.kernel for r in requests] == ["bwd_preprocess", "bwd_main", "bwd_postprocess"]
     assert all(r.deterministic and r.compile_params["deterministic"] for r in requests)
-    assert requests[1].compile_params["impl"] == "wgmma_ws"  # the fast mode's kernel at H128
+    assert requests[1].compile_params["impl"] == "wgmma_ws_staggered"  # the fast mode's kernel at H128
     h16 = requests_for(KernelSpec(**{**spec.model_dump(), "heads": 16}), ("bwd_main",))
     assert h16[0].compile_params["impl"] == "wgmma_slot_major"
     fast = requests_for(spec.model_copy(update={"deterministic": False}), BACKENDS["cutedsl"].stages["bwd"])
