@@ -256,9 +256,7 @@ class SparseMlaBwdSlotMajor(SparseMlaBwdMain):
         wtid = tidx % WG_THREADS
         lane = cute.arch.lane_idx()
         topk = cute.size(m_idx, mode=[1])
-        n_slots = topk
-        if cutlass.const_expr(self.compact):
-            n_slots = cutlass.max(cutlass.min(m_len[t], topk), Int32(0))
+        n_slots = self.used_slots(t, m_idx, m_len, cute.size(m_kv, mode=[0]))
         n_blocks = (n_slots + SLOTS - 1) // SLOTS
         scale_log2 = softmax_scale * Float32(LOG2E)
 
