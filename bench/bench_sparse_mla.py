@@ -167,6 +167,9 @@ def markdown(records: list[dict], env: dict[str, str], cmd: str) -> list[str]:
              "| op | backend | S_q | S_kv | H | D_qk | K | dsa-aot ms | TFLOPS | peer ms | peer TFLOPS | ratio (peer ms / ours) "
              "| paired ratio [q1, q3] |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    if any(r.get("causal") for r in records):
+        lines[6:6] = ["Causal prefill inputs (`--causal`): the early rows' trailing slots are -1; TFLOPS "
+                      "count every slot.", ""]
     for r in records:
         flops = (fwd_flops if r["op"] == "fwd" else bwd_flops)(r["s_q"], r["heads"], r["topk"], r["d_qk"])
         ptf = f"{flops / r['peer_ms'] / 1e9:.0f}" if r["peer_ms"] else "-"
@@ -215,6 +218,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--bwd-shape", type=int, nargs=5, action="append", metavar=("S_Q", "S_KV", "H", "D", "K"),
                     help="backward rows of your own instead of the table (repeat for several), e.g. "
                     "the same S_Q x K at fewer, longer rows")
+    ap.add_argument("--causal", action="store_true",
+                    help="causal prefill inputs: query row t sits at position S_kv - S_q + t and picks "
+                    "among the positions up to it, -1 in the slots it cannot fill (trailing)")
     ap.add_argument("--no-paired", action="store_true",
                     help="skip the paired timing (ours and the peer called alternately, median per-pair ratio)")
     return ap
@@ -227,7 +233,7 @@ def main() -> int:
     peer = peer_bwd()
     flashmla = peer_fwd(args.flashmla)
     for s_q, s_kv, h, d, k in fwd_rows(args) if "fwd" in args.ops else []:
-        x = make_inputs(s_q, s_kv, h, d, k)
+        x = make_inputs(s_q, s_kv, h, d, k, causal=args.causal)
         ref_out, ref_lse = reference(x)  # once per shape; every backend is checked against it
         scale = d ** -0.5
         peer_ms = None
@@ -271,7 +277,7 @@ def main() -> int:
                    "d_qk": d, "topk": k, "ms": round(ms, 4), "tflops": round(tf, 1),
                    "out_rel_err": round(rel(out[:REF_ROWS], ref_out), 5),
                    "lse_max_abs_err": round(float((lse[:REF_ROWS] - ref_lse).abs().max()), 5),
-                   "peer": None, "peer_ms": None, "ratio": None, "date": env["date"]}
+                   "peer": None, "peer_ms": None, "ratio": None, "date": env["date"], "causal": args.causal}
             if peer_ms is not None:
                 rec.update(peer="flashmla sparse_prefill_fwd", peer_ms=round(peer_ms, 4), ratio=round(peer_ms / ms, 3),
                            agreement_rel_err={"out": round(rel(out, theirs_out), 5),
@@ -281,14 +287,18 @@ def main() -> int:
             print(f"fwd  {backend:9s} h{h} d{d} k{k}: {ms:.3f} ms {tf:.0f} TFLOPS  ours/peer speed "
                   f"{rec['ratio']}", flush=True)
     for s_q, s_kv, h, d, k in bwd_rows(args) if "bwd" in args.ops else []:
-        x = make_inputs(s_q, s_kv, h, d, k)
+        x = make_inputs(s_q, s_kv, h, d, k, causal=args.causal)
         out, lse = dsa_aot.sparse_mla_fwd(x["q"], x["kv"], x["topk_idxs"], attn_sink=x["attn_sink"])
-        peer_ms, peer_res = None, None
+        peer_ms, peer_res, row_peer = None, None, peer
         if peer is not None:
             def theirs():
                 return peer(x["q"], x["kv"], out, x["dout"], lse, x["attn_sink"], x["topk_idxs"])
-            peer_res = theirs()  # JIT compile happens here
-            peer_ms = time_cuda(theirs, reps=args.reps)
+            try:
+                peer_res = theirs()  # JIT compile happens here
+                peer_ms = time_cuda(theirs, reps=args.reps)
+            except Exception as exc:  # a peer that refuses the row leaves its columns empty
+                print(f"bwd  h{h} d{d} k{k}: peer failed: {type(exc).__name__}: {exc}", flush=True)
+                row_peer = None
         runs = []
         paired = {}
         ours_bwd = lambda: dsa_aot.sparse_mla_bwd(  # noqa: E731
@@ -296,7 +306,7 @@ def main() -> int:
         for backend in args.bwd_backends:
             run = run_forced("bwd", backend, ours_bwd, h, d, k, args.reps)
             runs.append((backend, run))
-            if run is not None and peer is not None and not args.no_paired:
+            if run is not None and row_peer is not None and not args.no_paired:
                 with settings.scope(backends=(backend,)):
                     paired[backend] = time_paired(theirs, ours_bwd, reps=args.reps)
         for text in args.variant:
@@ -307,7 +317,7 @@ def main() -> int:
                                       x["attn_sink"], d ** -0.5)
                 name = f"{spec.backend}[{text.split(':', 2)[2]}]"
                 runs.append((name, (call(), time_cuda(call, reps=args.reps))))
-                if peer is not None and not args.no_paired:
+                if row_peer is not None and not args.no_paired:
                     paired[name] = time_paired(theirs, call, reps=args.reps)
         for backend, run in runs:
             if run is None:
@@ -316,7 +326,7 @@ def main() -> int:
             tf = bwd_flops(s_q, h, k, d) / ms / 1e9
             rec = {"op": "bwd", "backend": f"dsa-aot/{backend}", "s_q": s_q, "s_kv": s_kv, "heads": h,
                    "d_qk": d, "topk": k, "ms": round(ms, 4), "tflops": round(tf, 1), "peer": None,
-                   "peer_ms": None, "ratio": None, "date": env["date"]}
+                   "peer_ms": None, "ratio": None, "date": env["date"], "causal": args.causal}
             if peer_ms is not None:
                 agree = {n: rel(m, peer_res[n]) for n, m in zip(("dq", "dkv", "d_sink"), mine)}
                 rec.update(peer="cudnn-frontend sparse_attention_backward_wrapper", peer_ms=round(peer_ms, 4),

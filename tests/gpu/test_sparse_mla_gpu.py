@@ -160,6 +160,34 @@ def test_padded_tail_with_very_negative_lse(layout):
     check_bwd(q, kv, out, lse, dout, idx, length, None)
 
 
+@pytest.mark.parametrize("k", [300, 2048])
+@pytest.mark.parametrize("h", [16, 64, 128])
+def test_noncompact_rows_end_at_their_last_valid_slot(h, k):
+    """A noncompact row's blocks end at its last valid slot: trailing padding of every length
+    (none, within a block, whole blocks, whole 256-slot scan steps, the whole row), a lone valid
+    slot at either end, out-of-range values in the tail. Each mode matches the reference, and dq
+    equals the compact layout's with ``topk_length`` at the same ends."""
+    s_kv, d = 4096, 576
+    ends = [k, k - 1, 0, 1, 63, 64, 65, 255, 256, 257, k // 2, 129]
+    s_q = len(ends) + 4
+    q, kv, idx, _, sink, dout = inputs(s_q, s_kv, h, d, k, invalid_frac=0.0)
+    for r, end in enumerate(ends):
+        idx[r, end:] = -1
+    idx[len(ends), :k - 1] = -1                    # only the last slot valid
+    idx[len(ends) + 1, 1:] = -1                    # only the first
+    idx[len(ends) + 2, 200:] = s_kv                # out of range past slot 200
+    idx[len(ends) + 3, 37:] = INT32_MIN
+    out, lse = check_fwd(q, kv, idx, None, sink)
+    dq, _, _ = check_bwd(q, kv, out, lse, dout, idx, None, sink)
+    length = torch.tensor(ends, dtype=torch.int32, device="cuda")
+    n = len(ends)
+    cdq, _, _ = run_bwd(q[:n], kv, out[:n], dout[:n], lse[:n], idx[:n], length, sink)
+    assert rel(dq[:n], cdq) <= 1e-6
+    det = dsa_aot.sparse_mla_bwd(q, kv, out, dout, lse, idx, attn_sink=sink, deterministic=True)
+    _, rkv, _ = sparse_mla_bwd_ref(q, kv, out, dout, lse, idx, None, sink, compute_dtype=torch.float32)
+    assert torch.equal(det[0], dq) and rel(det[1], rkv) <= 1e-2
+
+
 def test_topk_wider_than_kv_keeps_dkv():
     """K > S_kv with valid indices in columns >= S_kv: their dkv must not be dropped."""
     s_q, s_kv, h, d, k = 16, 40, 64, 512, 256

@@ -72,6 +72,17 @@ def test_markdown_names_the_run_and_leaves_absent_peers_empty(bench):
     assert without_peer[1] == "tilelang" and without_peer[9:] == ["-", "-", "-", "-"]
     bwd_flops = 2.0 * 4096 * 64 * 2048 * (3 * 576 + 2 * 512)
     assert bwd[10] == f"{bwd_flops / 7.6 / 1e9:.0f}" and bwd[12] == "-"
+    assert "Causal" not in text
+
+
+def test_markdown_says_when_the_inputs_were_causal(bench):
+    env = {"gpu": "NVIDIA H200", "date": "2026-12-07"}
+    lines = bench.markdown([{**_rec(op="bwd", ms=5.0, peer_ms=6.0), "causal": True}], env,
+                           "python bench/bench_sparse_mla.py --ops bwd --causal")
+    note = lines.index("Causal prefill inputs (`--causal`): the early rows' trailing slots are -1; "
+                       "TFLOPS count every slot.")
+    assert lines[note - 1] == "" and lines[note + 1] == "" and lines[note + 2].startswith("| op |")
+    assert bench.parser().parse_args(["--causal"]).causal and not bench.parser().parse_args([]).causal
 
 
 def test_chart_series_per_shape_with_the_peer_beside_our_fastest_row(plot):
