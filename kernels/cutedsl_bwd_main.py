@@ -870,28 +870,25 @@ class SparseMlaBwdMain:
         it on its own: a backward scan of :data:`SCAN_SLOTS` slots a step (coalesced loads, then
         a warp max) that stops reading at the first step holding a valid slot."""
         topk = cute.size(m_idx, mode=[1])
-        n_slots = topk
         if cutlass.const_expr(self.compact):
-            n_slots = cutlass.max(cutlass.min(m_len[t], topk), Int32(0))
-        else:
-            lane = cute.arch.lane_idx()
-            n_steps = (topk + SCAN_SLOTS - 1) // SCAN_SLOTS
-            n_slots = Int32(0)
-            for step in cutlass.range(n_steps, unroll=1):
-                if n_slots == 0:
-                    base = (n_steps - 1 - step) * SCAN_SLOTS + lane
-                    found = Int32(0)
-                    for i in cutlass.range_constexpr(SCAN_SLOTS // 32):
-                        slot = base + 32 * i
-                        idx = Int32(-1)
-                        if slot < topk:
-                            idx = m_idx[t, slot]
-                        if (idx >= 0) & (idx < n_kv):
-                            found = slot + 1   # the lane's slots rise with i
-                    for offset in (16, 8, 4, 2, 1):
-                        found = cutlass.max(found, cute.arch.shuffle_sync_bfly(found,
-                                                                               offset=offset))
-                    n_slots = found
+            return cutlass.max(cutlass.min(m_len[t], topk), Int32(0))
+        lane = cute.arch.lane_idx()
+        n_steps = (topk + SCAN_SLOTS - 1) // SCAN_SLOTS
+        n_slots = Int32(0)
+        for step in cutlass.range(n_steps, unroll=1):
+            if n_slots == 0:
+                base = (n_steps - 1 - step) * SCAN_SLOTS + lane
+                found = Int32(0)
+                for i in cutlass.range_constexpr(SCAN_SLOTS // 32):
+                    slot = base + 32 * i
+                    idx = Int32(-1)
+                    if slot < topk:
+                        idx = m_idx[t, slot]
+                    if (idx >= 0) & (idx < n_kv):
+                        found = slot + 1   # the lane's slots rise with i
+                for offset in (16, 8, 4, 2, 1):
+                    found = cutlass.max(found, cute.arch.shuffle_sync_bfly(found, offset=offset))
+                n_slots = found
         return n_slots
 
     @cute.jit

@@ -442,11 +442,9 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         wtid = tidx % WG_THREADS
         topk = cute.size(m_idx, mode=[1])
-        n_slots = topk
+        n_slots = topk  # persistent (noncompact only): one block count for all of a CTA's rows
         if cutlass.const_expr(persistent is None):
             n_slots = self.used_slots(t, m_idx, m_len, cute.size(m_kv, mode=[0]))
-        elif cutlass.const_expr(self.compact):  # one block count for all of a CTA's rows
-            n_slots = cutlass.max(cutlass.min(m_len[t], topk), Int32(0))
         n_blocks = (n_slots + BLOCK_N - 1) // BLOCK_N
 
         smem = cutlass.utils.SmemAllocator()
