@@ -75,8 +75,6 @@ BLOCK_H = 64
 BLOCK_N = 64
 #: dq / dkv column chunk (one 64 x 64 fp32 accumulator).
 CHUNK = 64
-#: Slots a warp reads per step of :meth:`SparseMlaBwdMain.used_slots`' backward scan.
-SCAN_SLOTS = 256
 #: 8 warps: 4 along M, 2 along N of every GEMM.
 WARPS_M, WARPS_N = 4, 2
 THREADS = 32 * WARPS_M * WARPS_N
@@ -861,35 +859,15 @@ class SparseMlaBwdMain:
             s_lse[tidx] = lse_val
             s_delta[tidx] = delta_val
 
-    @cute.jit
     def used_slots(self, t: Int32, m_idx: cute.Tensor, m_len: cute.Tensor, n_kv: Int32) -> Int32:
-        """The slots of row ``t`` that the kernel walks. Compact: ``clamp(topk_length[t], 0, K)``.
-        Noncompact: one past the row's last valid index (``0 <= idx < n_kv``; 0 when it has
-        none), so the blocks of trailing -1 slots (the early rows of a causal prefill) are
-        skipped instead of walked as zeros; what they would add is exactly zero. Every warp finds
-        it on its own: a backward scan of :data:`SCAN_SLOTS` slots a step (coalesced loads, then
-        a warp max) that stops reading at the first step holding a valid slot."""
-        topk = cute.size(m_idx, mode=[1])
+        """The slots of row ``t`` that the kernel walks (call while tracing). Compact:
+        ``clamp(topk_length[t], 0, K)``. Noncompact: one past the row's last valid index
+        (:func:`~dsa_aot.kernels.cutedsl_common.row_end`), so the blocks of trailing -1 slots
+        (the early rows of a causal prefill) are skipped instead of walked as zeros; what they
+        would add is exactly zero."""
         if cutlass.const_expr(self.compact):
-            return cutlass.max(cutlass.min(m_len[t], topk), Int32(0))
-        lane = cute.arch.lane_idx()
-        n_steps = (topk + SCAN_SLOTS - 1) // SCAN_SLOTS
-        n_slots = Int32(0)
-        for step in cutlass.range(n_steps, unroll=1):
-            if n_slots == 0:
-                base = (n_steps - 1 - step) * SCAN_SLOTS + lane
-                found = Int32(0)
-                for i in cutlass.range_constexpr(SCAN_SLOTS // 32):
-                    slot = base + 32 * i
-                    idx = Int32(-1)
-                    if slot < topk:
-                        idx = m_idx[t, slot]
-                    if (idx >= 0) & (idx < n_kv):
-                        found = slot + 1   # the lane's slots rise with i
-                for offset in (16, 8, 4, 2, 1):
-                    found = cutlass.max(found, cute.arch.shuffle_sync_bfly(found, offset=offset))
-                n_slots = found
-        return n_slots
+            return cutlass.max(cutlass.min(m_len[t], cute.size(m_idx, mode=[1])), Int32(0))
+        return common.row_end(m_idx, t, n_kv)
 
     @cute.jit
     def load_indices(self, block: Int32, t: Int32, m_idx: cute.Tensor, n_slots: Int32,

@@ -82,6 +82,37 @@ def quad_sum(val: Float32) -> Float32:
     return val
 
 
+#: Slots a warp reads per step of :func:`row_end`'s backward scan.
+SCAN_SLOTS = 256
+
+
+@cute.jit
+def row_end(m_idx: cute.Tensor, t: Int32, n_kv: Int32) -> Int32:
+    """One past the last valid slot of noncompact row ``t`` (``0 <= idx < n_kv``; 0 when the
+    row has none), call while tracing. Every warp finds it on its own: a backward scan of
+    :data:`SCAN_SLOTS` slots a step (coalesced loads, then a warp max) that stops reading at the
+    first step holding a valid slot, so a full row costs one step."""
+    topk = cute.size(m_idx, mode=[1])
+    lane = cute.arch.lane_idx()
+    n_steps = (topk + SCAN_SLOTS - 1) // SCAN_SLOTS
+    end = Int32(0)
+    for step in cutlass.range(n_steps, unroll=1):
+        if end == 0:
+            base = (n_steps - 1 - step) * SCAN_SLOTS + lane
+            found = Int32(0)
+            for i in cutlass.range_constexpr(SCAN_SLOTS // 32):
+                slot = base + 32 * i
+                idx = Int32(-1)
+                if slot < topk:
+                    idx = m_idx[t, slot]
+                if (idx >= 0) & (idx < n_kv):
+                    found = slot + 1   # the lane's slots rise with i
+            for offset in (16, 8, 4, 2, 1):
+                found = cutlass.max(found, cute.arch.shuffle_sync_bfly(found, offset=offset))
+            end = found
+    return end
+
+
 def run_time_sizes() -> tuple[object, object, object]:
     """Symbolic ``s_q``, ``s_kv`` and ``topk``: one compiled kernel serves every value."""
     return (cute.sym_int32(symbol="s_q"), cute.sym_int32(symbol="s_kv"),

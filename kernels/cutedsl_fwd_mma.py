@@ -113,7 +113,7 @@ class SparseMlaFwdMma(SparseMlaFwd):
         warp_n = cute.arch.warp_idx() // WARPS_M
         lane = cute.arch.lane_idx()
         s_kv = cute.size(m_kv, mode=[0])
-        n_valid, n_blocks = self.row_slots(t, m_idx, m_len, BLOCK_N)
+        n_valid, n_blocks = self.row_slots(t, m_idx, m_len, BLOCK_N, s_kv)
 
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
         s_q = storage.s_q.get_tensor(s_q_layout)

@@ -209,21 +209,24 @@ class SparseMlaFwdSplit(SparseMlaFwd):
             if wg == 0:
                 self.consume(0, m_idx, m_len, m_sink, tma_o, m_out, m_lse, scale_log2, s_q,
                              s_kv_all, s_v_layout, s_p0, s_p1, s_max, s_sum, s_valid, ready, free,
-                             q_ready, q_free, mma_s, mma_pv, mma_pv_rs, bid, grid, n_mine, tidx)
+                             q_ready, q_free, mma_s, mma_pv, mma_pv_rs, bid, grid, n_mine,
+                             cute.size(m_kv, mode=[0]), tidx)
             else:
                 self.consume(1, m_idx, m_len, m_sink, tma_o, m_out, m_lse, scale_log2, s_q,
                              s_kv_all, s_v_layout, s_p1, s_p0, s_max, s_sum, s_valid, ready, free,
-                             q_ready, q_free, mma_s, mma_pv, mma_pv_rs, bid, grid, n_mine, tidx)
+                             q_ready, q_free, mma_s, mma_pv, mma_pv_rs, bid, grid, n_mine,
+                             cute.size(m_kv, mode=[0]), tidx)
 
-    def tile_rows(self, tile: Int32, m_idx: cute.Tensor, m_len: cute.Tensor) -> tuple:
-        """Tile ``tile``'s query row, head block, number of valid slots and of pairs of blocks
-        (call while tracing). The head blocks of a row are neighbouring tiles of neighbouring
+    def tile_rows(self, tile: Int32, m_idx: cute.Tensor, m_len: cute.Tensor,
+                  n_kv: Int32) -> tuple:
+        """Tile ``tile``'s query row, head block, number of slots to walk and of pairs of blocks
+        (call while tracing; :meth:`row_slots`). The head blocks of a row are neighbouring tiles of neighbouring
         CTAs, so they run together and the second gather of the row's KV rows hits in L2."""
         n = head_blocks(self.heads)
         t, hb = tile, Int32(0)
         if n > 1:
             t, hb = tile // n, tile % n
-        return t, hb, *self.row_slots(t, m_idx, m_len, 2 * BLOCK_N)
+        return t, hb, *self.row_slots(t, m_idx, m_len, 2 * BLOCK_N, n_kv)
 
     # ---- producer ----------------------------------------------------------------------------
 
@@ -246,7 +249,7 @@ class SparseMlaFwdSplit(SparseMlaFwd):
         s_kv_base = s_kv_all.iterator.toint()
         pairs_done = Int32(0)  # blocks pairs of the earlier tiles: the mbarrier phases
         for i in cutlass.range(n_mine, unroll=1):
-            t, hb, n_valid, n_pairs = self.tile_rows(bid + i * grid, m_idx, m_len)
+            t, hb, n_valid, n_pairs = self.tile_rows(bid + i * grid, m_idx, m_len, s_kv)
             # Q of this tile (head rows past ``heads`` zero-filled)
             t_g_q = thr_kv.partition_S(cute.local_tile(m_q[t, None, None], (BLOCK_H, d),
                                                        (hb, 0)))
@@ -287,7 +290,7 @@ class SparseMlaFwdSplit(SparseMlaFwd):
                 s_valid: cute.Tensor, ready: cute.Pointer, free: cute.Pointer,
                 q_ready: cute.Pointer, q_free: cute.Pointer, mma_s: cute.TiledMma,
                 mma_pv: cute.TiledMma, mma_pv_rs: cute.TiledMma, bid: Int32, grid: Int32,
-                n_mine: Int32, tidx: Int32) -> None:
+                n_mine: Int32, n_kv: Int32, tidx: Int32) -> None:
         """Consumer warpgroup ``w``: the blocks of buffer ``w``, value columns ``256 w ..``,
         tile after tile."""
         heads = self.heads
@@ -323,7 +326,7 @@ class SparseMlaFwdSplit(SparseMlaFwd):
 
         pairs_done = Int32(0)  # block pairs of the earlier tiles: the mbarrier phases
         for i in cutlass.range(n_mine, unroll=1):
-            t, hb, _, n_pairs = self.tile_rows(bid + i * grid, m_idx, m_len)
+            t, hb, _, n_pairs = self.tile_rows(bid + i * grid, m_idx, m_len, n_kv)
             row_max.fill(M_FLOOR)
             row_sum.fill(0.0)
             acc_o.fill(0.0)

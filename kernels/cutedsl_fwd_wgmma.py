@@ -90,7 +90,7 @@ class SparseMlaFwdWgmma(SparseMlaFwd):
         wg = cute.arch.make_warp_uniform(tidx // 128)
         lane = cute.arch.lane_idx()
         s_kv = cute.size(m_kv, mode=[0])
-        n_valid, n_blocks = self.row_slots(t, m_idx, m_len, BLOCK_N)
+        n_valid, n_blocks = self.row_slots(t, m_idx, m_len, BLOCK_N, s_kv)
 
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
         s_q, s_kv_all, s_p = wg_tiles(storage, s_q_layout, s_kv_layout, s_p_layout)

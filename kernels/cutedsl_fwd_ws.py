@@ -108,7 +108,7 @@ class SparseMlaFwdWs(SparseMlaFwd):
         wtid = tidx % WG_THREADS
         lane = cute.arch.lane_idx()
         s_kv = cute.size(m_kv, mode=[0])
-        n_valid, n_blocks = self.row_slots(t, m_idx, m_len, bn)
+        n_valid, n_blocks = self.row_slots(t, m_idx, m_len, bn, s_kv)
 
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
         s_q, s_kv_all, s_p = wg_tiles(storage, s_q_layout, s_kv_layout, s_p_layout)
