@@ -109,8 +109,10 @@ def row_end(m_idx: cute.Tensor, t: Int32, n_kv: Int32) -> Int32:
                     found = slot + 1   # the lane's slots rise with i
             for offset in (16, 8, 4, 2, 1):
                 found = cutlass.max(found, cute.arch.shuffle_sync_bfly(found, offset=offset))
-            end = found
-    return end
+            end = cute.arch.make_warp_uniform(found)
+    # ptxas cannot see through the shuffles that ``end`` is the same on every lane: unmarked, the
+    # block loops that it bounds count as divergent and their wgmma serialise (C7520)
+    return cute.arch.make_warp_uniform(end)
 
 
 def run_time_sizes() -> tuple[object, object, object]:
