@@ -860,14 +860,9 @@ class SparseMlaBwdMain:
             s_delta[tidx] = delta_val
 
     def used_slots(self, t: Int32, m_idx: cute.Tensor, m_len: cute.Tensor, n_kv: Int32) -> Int32:
-        """The slots of row ``t`` that the kernel walks (call while tracing). Compact:
-        ``clamp(topk_length[t], 0, K)``. Noncompact: one past the row's last valid index
-        (:func:`~dsa_aot.kernels.cutedsl_common.row_end`), so the blocks of trailing -1 slots
-        (the early rows of a causal prefill) are skipped instead of walked as zeros; what they
-        would add is exactly zero."""
-        if cutlass.const_expr(self.compact):
-            return cutlass.max(cutlass.min(m_len[t], cute.size(m_idx, mode=[1])), Int32(0))
-        return common.row_end(m_idx, t, n_kv)
+        """The slots of row ``t`` that the kernel walks
+        (:func:`~dsa_aot.kernels.cutedsl_common.walked_slots`)."""
+        return common.walked_slots(m_idx, m_len, t, n_kv, self.compact)
 
     @cute.jit
     def load_indices(self, block: Int32, t: Int32, m_idx: cute.Tensor, n_slots: Int32,

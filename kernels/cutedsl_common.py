@@ -115,6 +115,16 @@ def row_end(m_idx: cute.Tensor, t: Int32, n_kv: Int32) -> Int32:
     return cute.arch.make_warp_uniform(end)
 
 
+def walked_slots(m_idx: cute.Tensor, m_len: cute.Tensor, t: Int32, n_kv: Int32,
+                 compact: bool) -> Int32:
+    """The slots of row ``t`` a kernel walks (call while tracing): ``clamp(topk_length[t], 0,
+    K)`` in the compact layout, else :func:`row_end`, so trailing -1 slots (the early rows of a
+    causal prefill) cost no block; what they would add is exactly zero."""
+    if compact:
+        return cutlass.max(cutlass.min(m_len[t], cute.size(m_idx, mode=[1])), Int32(0))
+    return row_end(m_idx, t, n_kv)
+
+
 def run_time_sizes() -> tuple[object, object, object]:
     """Symbolic ``s_q``, ``s_kv`` and ``topk``: one compiled kernel serves every value."""
     return (cute.sym_int32(symbol="s_q"), cute.sym_int32(symbol="s_kv"),

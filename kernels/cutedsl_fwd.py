@@ -57,7 +57,7 @@ from cutlass.utils import hopper_helpers as sm90_utils
 
 from dsa_aot.kernels import cutedsl_common as common
 from dsa_aot.kernels.cutedsl_common import (D_V, VEC, fake_tensor, quad_max, quad_sum,
-                                            row_end, run_time_sizes, vec_stride)
+                                            run_time_sizes, vec_stride, walked_slots)
 
 #: Heads per CTA (the MMA M tile) and gathered KV rows per block (the N tile of ``Q K^T``).
 BLOCK_H = 64
@@ -366,13 +366,9 @@ class SparseMlaFwd:
 
     def row_slots(self, t: Int32, m_idx: cute.Tensor, m_len: cute.Tensor, bn: int,
                   n_kv: Int32) -> tuple[Int32, Int32]:
-        """Row ``t``'s slots to walk and their blocks of ``bn`` (call while tracing):
-        ``clamp(topk_length[t], 0, K)`` compact, else one past the row's last valid index
-        (:func:`~dsa_aot.kernels.cutedsl_common.row_end`: trailing -1 slots cost no block)."""
-        if self.compact:
-            n_valid = cutlass.max(cutlass.min(m_len[t], cute.size(m_idx, mode=[1])), Int32(0))
-        else:
-            n_valid = row_end(m_idx, t, n_kv)
+        """Row ``t``'s slots to walk (:func:`~dsa_aot.kernels.cutedsl_common.walked_slots`) and
+        their blocks of ``bn`` (call while tracing)."""
+        n_valid = walked_slots(m_idx, m_len, t, n_kv, self.compact)
         return n_valid, (n_valid + bn - 1) // bn
 
     # ---------------------------------------------------------------------------------------

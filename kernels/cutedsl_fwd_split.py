@@ -206,22 +206,24 @@ class SparseMlaFwdSplit(SparseMlaFwd):
                          q_ready, q_free, bid, grid, n_mine, tidx % WG_THREADS)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            s_kv = cute.size(m_kv, mode=[0])
             if wg == 0:
                 self.consume(0, m_idx, m_len, m_sink, tma_o, m_out, m_lse, scale_log2, s_q,
                              s_kv_all, s_v_layout, s_p0, s_p1, s_max, s_sum, s_valid, ready, free,
-                             q_ready, q_free, mma_s, mma_pv, mma_pv_rs, bid, grid, n_mine,
-                             cute.size(m_kv, mode=[0]), tidx)
+                             q_ready, q_free, mma_s, mma_pv, mma_pv_rs, bid, grid, n_mine, s_kv,
+                             tidx)
             else:
                 self.consume(1, m_idx, m_len, m_sink, tma_o, m_out, m_lse, scale_log2, s_q,
                              s_kv_all, s_v_layout, s_p1, s_p0, s_max, s_sum, s_valid, ready, free,
-                             q_ready, q_free, mma_s, mma_pv, mma_pv_rs, bid, grid, n_mine,
-                             cute.size(m_kv, mode=[0]), tidx)
+                             q_ready, q_free, mma_s, mma_pv, mma_pv_rs, bid, grid, n_mine, s_kv,
+                             tidx)
 
     def tile_rows(self, tile: Int32, m_idx: cute.Tensor, m_len: cute.Tensor,
                   n_kv: Int32) -> tuple:
         """Tile ``tile``'s query row, head block, number of slots to walk and of pairs of blocks
-        (call while tracing; :meth:`row_slots`). The head blocks of a row are neighbouring tiles of neighbouring
-        CTAs, so they run together and the second gather of the row's KV rows hits in L2."""
+        (call while tracing; :meth:`row_slots`). The head blocks of a row are neighbouring tiles
+        of neighbouring CTAs, so they run together and the second gather of the row's KV rows hits
+        in L2."""
         n = head_blocks(self.heads)
         t, hb = tile, Int32(0)
         if n > 1:

@@ -164,9 +164,8 @@ def test_padded_tail_with_very_negative_lse(layout):
 @pytest.mark.parametrize("h", [16, 64, 128])
 def test_noncompact_rows_end_at_their_last_valid_slot(h, k):
     """A noncompact row's blocks end at its last valid slot, forward and backward: trailing
-    padding of every length
-    (none, within a block, whole blocks, whole 256-slot scan steps, the whole row), a lone valid
-    slot at either end, out-of-range values in the tail. Each mode matches the reference, and dq
+    padding of every length (none, within a block, whole blocks, whole 256-slot scan steps, the
+    whole row), a lone valid slot at either end, out-of-range values in the tail. Each mode matches the reference, and dq
     equals the compact layout's with ``topk_length`` at the same ends."""
     s_kv, d = 4096, 576
     ends = [k, k - 1, 0, 1, 63, 64, 65, 255, 256, 257, k // 2, 129]
