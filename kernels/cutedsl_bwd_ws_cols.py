@@ -240,6 +240,18 @@ class SparseMlaBwdWsCols(SparseMlaBwdWs):
             cute.make_layout((1, VEC)))
         rope_copy = cute.make_tiled_copy_tv(
             g2s, cute.make_layout((THREADS // 4, 4), stride=(4, 1)), cute.make_layout((1, VEC)))
+        s_q_rows = cute.size(q, mode=[0])
+        if s_q_rows > 0:
+            lay, SharedStorage = shared_storage(self.d_qk)
+            rope_lays = tuple(lay[k] for k in ROPE_ORDER) if self.rope else ()
+            self.kernel_cols(q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc,
+                             softmax_scale, tuple(lay[k] for k in LAYOUT_ORDER), rope_lays,
+                             row_copy, rope_copy, SharedStorage).launch(
+                grid=[2 * s_q_rows, 1, 1], block=[THREADS, 1, 1], cluster=[2, 1, 1],
+                smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    def tiled_mmas(self) -> dict[str, cute.TiledMma]:
+        """The warpgroup MMAs by name (call while tracing)."""
         kk, mn = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
         rmem = warpgroup.OperandSource.RMEM
         # S / dP partials: (64 heads, 64 slots), A = q / dout rows, B = the KV tile
@@ -260,16 +272,8 @@ class SparseMlaBwdWsCols(SparseMlaBwdWs):
                                                         (1, 1, 1), (BLOCK_H, rope))
         mma_kv_r = sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, mn, mn, Float32,
                                                      (1, 1, 1), (BLOCK_N, rope))
-        s_q_rows = cute.size(q, mode=[0])
-        if s_q_rows > 0:
-            lay, SharedStorage = shared_storage(self.d_qk)
-            rope_lays = tuple(lay[k] for k in ROPE_ORDER) if self.rope else ()
-            self.kernel_cols(q, kv, dout, topk_idxs, topk_length, lse_sink, delta, dq, dkv_acc,
-                             softmax_scale, tuple(lay[k] for k in LAYOUT_ORDER), rope_lays,
-                             row_copy, rope_copy, mma_s, mma_dq_rs, mma_dq_ss, mma_kv,
-                             mma_dq_ss_r, mma_kv_r, SharedStorage).launch(
-                grid=[2 * s_q_rows, 1, 1], block=[THREADS, 1, 1], cluster=[2, 1, 1],
-                smem=SharedStorage.size_in_bytes(), stream=stream)
+        return {"s": mma_s, "dq_rs": mma_dq_rs, "dq_ss": mma_dq_ss, "kv": mma_kv,
+                "dq_ss_r": mma_dq_ss_r, "kv_r": mma_kv_r}
 
     # ---------------------------------------------------------------------------------------
     # Device side
@@ -281,15 +285,11 @@ class SparseMlaBwdWsCols(SparseMlaBwdWs):
                     m_delta: cute.Tensor, m_dq: cute.Tensor, m_dkv: cute.Tensor,
                     softmax_scale: Float32, layouts: tuple, rope_layouts: tuple,
                     row_copy: cute.TiledCopy, rope_copy: cute.TiledCopy,
-                    mma_s: cute.TiledMma, mma_dq_rs: cute.TiledMma, mma_dq_ss: cute.TiledMma,
-                    mma_kv: cute.TiledMma,
-                    mma_dq_ss_r: cute.TiledMma, mma_kv_r: cute.TiledMma,
                     SharedStorage: cutlass.Constexpr) -> None:
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         t = bid // 2
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        peer = 1 - rank
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         wtid = tidx % WG_THREADS
         topk = cute.size(m_idx, mode=[1])
@@ -322,13 +322,20 @@ class SparseMlaBwdWsCols(SparseMlaBwdWs):
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
 
+        # each role compiled for both ranks: the head blocks' tile offsets are constants
         if wg == 0:
-            self.score_warpgroup_cols(t, rank, peer, n_blocks, n_slots, m_idx, m_dq,
-                                      softmax_scale, sm, mbar, gather_args, mma_s, mma_dq_rs,
-                                      wtid)
+            score_args = (t, n_blocks, n_slots, m_idx, m_dq, softmax_scale, sm, mbar,
+                          gather_args, wtid)
+            if rank == 0:
+                self.score_warpgroup_cols(0, *score_args)
+            else:
+                self.score_warpgroup_cols(1, *score_args)
         else:
-            self.dkv_warpgroup_cols(t, rank, peer, n_blocks, topk, m_dq, m_dkv, sm, mbar,
-                                    mma_dq_ss, mma_dq_ss_r, mma_kv, mma_kv_r, wtid)
+            dkv_args = (t, n_blocks, topk, m_dq, m_dkv, sm, mbar, wtid)
+            if rank == 0:
+                self.dkv_warpgroup_cols(0, *dkv_args)
+            else:
+                self.dkv_warpgroup_cols(1, *dkv_args)
         # neither CTA leaves while the other may still write into it or arrive on its barriers
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
@@ -435,12 +442,15 @@ class SparseMlaBwdWsCols(SparseMlaBwdWs):
     # ---------------------------------------------------------------------------------------
 
     @cute.jit
-    def score_warpgroup_cols(self, t: Int32, rank: Int32, peer: Int32, n_blocks: Int32,
+    def score_warpgroup_cols(self, rank: cutlass.Constexpr, t: Int32, n_blocks: Int32,
                              n_slots: Int32, m_idx: cute.Tensor, m_dq: cute.Tensor,
                              softmax_scale: Float32, sm: dict, mbar, gather_args: list,
-                             mma_s: cute.TiledMma, mma_dq: cute.TiledMma,
                              wtid: Int32) -> None:
-        """Warpgroup 0 over the row's blocks (see the module docstring)."""
+        """Warpgroup 0 over the row's blocks (see the module docstring), in the CTA of cluster
+        rank ``rank``."""
+        peer = 1 - rank
+        mmas = self.tiled_mmas()  # (made here: their fields are set per role and rank)
+        mma_s, mma_dq = mmas["s"], mmas["dq_rs"]
         scale_log2 = softmax_scale * Float32(LOG2E)
         mma_dq.set(warpgroup.Field.ACCUMULATE, True)
         wg_s = mma_s.get_slice(0)
@@ -488,7 +498,6 @@ class SparseMlaBwdWsCols(SparseMlaBwdWs):
 
         for b in cutlass.range(n_blocks, unroll=1):
             buf = (b % 2) * BLOCK_N
-            upcoming = self.load_indices(b + 1, t, m_idx, n_slots, row_in_pass)
             if b > 0:  # this warpgroup's gather of block b is in; make it visible to all
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.fence_view_async_shared()
@@ -521,6 +530,8 @@ class SparseMlaBwdWsCols(SparseMlaBwdWs):
             r_ds16 = cute.make_fragment_like(acc_dp, BFloat16)
             r_ds16.store(acc_dp.load().to(BFloat16))
 
+            # the next block's indices (loaded under the hand-off below)
+            upcoming = self.load_indices(b + 1, t, m_idx, n_slots, row_in_pass)
             # P / dS of the own heads: here and into the partner, once both dKV warpgroups
             # are done with the last ones (and this CTA's last copy has read its source)
             cute.arch.mbarrier_wait(mbar + 3, (b + 1) % 2)
@@ -601,12 +612,15 @@ class SparseMlaBwdWsCols(SparseMlaBwdWs):
     # ---------------------------------------------------------------------------------------
 
     @cute.jit
-    def dkv_warpgroup_cols(self, t: Int32, rank: Int32, peer: Int32, n_blocks: Int32,
+    def dkv_warpgroup_cols(self, rank: cutlass.Constexpr, t: Int32, n_blocks: Int32,
                            topk: Int32, m_dq: cute.Tensor, m_dkv: cute.Tensor, sm: dict, mbar,
-                           mma_dq: cute.TiledMma, mma_dq_r: cute.TiledMma,
-                           mma_kv: cute.TiledMma, mma_kv_r: cute.TiledMma,
                            wtid: Int32) -> None:
-        """Warpgroup 1 over the row's blocks (see the module docstring)."""
+        """Warpgroup 1 over the row's blocks (see the module docstring), in the CTA of cluster
+        rank ``rank``."""
+        peer = 1 - rank
+        mmas = self.tiled_mmas()
+        mma_dq, mma_dq_r, mma_kv, mma_kv_r = (mmas["dq_ss"], mmas["dq_ss_r"], mmas["kv"],
+                                              mmas["kv_r"])
         heads = 2 * BLOCK_H
         n_chunks = HALF // TILE
         lane = cute.arch.lane_idx()
