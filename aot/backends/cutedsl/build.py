@@ -123,6 +123,7 @@ class BuildRequest(BaseModel):
                 other = {"wgmma_ws": "wgmma_ws_slot_major",
                          "wgmma_ws_persistent": "wgmma_ws_slot_major",
                          "wgmma_ws_staggered": "wgmma_ws",
+                         "wgmma_ws_cols": "wgmma_ws",
                          "wgmma_ws_slot_major": "wgmma_ws"}.get(self.impl, "wgmma")
                 raise ValueError(f"impl={self.impl} supports heads {BWD_MAIN_HEADS[self.impl]}, "
                                  f"not heads={self.heads}; use impl={other} (or leave impl unset)")

@@ -222,11 +222,11 @@ def test_full_sweep_builds(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 #: MMA flavours checked on the GPU (the specs' ``tile.flavour``); wgmma needs sm_90a.
-IMPLS = ("mma", "wgmma", "wgmma_slot_major", "wgmma_ws", "wgmma_ws_slot_major")
+IMPLS = ("mma", "wgmma", "wgmma_slot_major", "wgmma_ws", "wgmma_ws_slot_major", "wgmma_ws_cols")
 #: Head counts of the flavours that take only some (the others take every H).
 SLOT_MAJOR_HEADS = (16, 32)
 FLAVOUR_HEADS = {"wgmma_slot_major": SLOT_MAJOR_HEADS, "wgmma_ws": (64, 128),
-                 "wgmma_ws_slot_major": SLOT_MAJOR_HEADS}
+                 "wgmma_ws_slot_major": SLOT_MAJOR_HEADS, "wgmma_ws_cols": (128,)}
 #: ``DSA_AOT_GPU_TEST_IMPLS=wgmma_ws,...`` builds (and tests) only those flavours: each build
 #: costs GPU-machine time, and ``-k`` cannot narrow a module fixture.
 _GPU_IMPLS = tuple(i for i in os.environ.get("DSA_AOT_GPU_TEST_IMPLS", ",".join(IMPLS)).split(",")
@@ -324,6 +324,7 @@ _CASES = [
     ("noncompact", 64, 512, 2048, 4096, 8, {"bad_idx": False, "sinks": "none"}),
     ("compact", 32, 576, 2048, 4096, 12, {}),
     ("noncompact", 32, 512, 300, 95, 12, {"sinks": "edge", "all_invalid_rows": 2}),
+    ("noncompact", 128, 576, 300, 4096, 9, {"sinks": "edge", "all_invalid_rows": 2}),
 ]
 
 
