@@ -136,7 +136,7 @@ def test_requests_are_validated() -> None:
     with pytest.raises(ValueError, match="bwd_main has impl mma, wgmma, wgmma_slot_major, "
                                          "wgmma_ws, wgmma_ws_slot_major, wgmma_ws_fixed, "
                                          "wgmma_ws_slot_major_fixed, wgmma_ws_persistent, "
-                                         "wgmma_ws_staggered, not wgmma_split"):
+                                         "wgmma_ws_staggered, wgmma_ws_cols, not wgmma_split"):
         BuildRequest(kernel="bwd_main", arch="sm_90a", d_qk=576, heads=64, layout="compact",
                      impl="wgmma_split")
     with pytest.raises(ValueError, match="do not apply to kernel=bwd_main"):
