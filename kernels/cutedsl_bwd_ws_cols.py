@@ -21,11 +21,12 @@ What the split costs is an exchange over distributed shared memory, per block of
   ``dP``, through one 16 KB buffer: ``x_empty`` tells the sender the buffer was read); then the
   softmax gradient of its own heads, ``P`` / ``dS`` (bf16) into its own rows of the 128-head
   ``P`` / ``dS`` tiles and, by one bulk copy each, into the partner's (``pds_full`` counts the
-  partner's bytes and the local arrival); its ``dQ`` tiles (own heads, ``dS`` from registers);
+  partner's bytes and the local arrival); the own heads' ``dQ`` over the nope columns (``dS``
+  from registers);
   the next block's gather once the KV tile is free (``KV_EMPTY``, a named barrier as in
   :mod:`.cutedsl_bwd_ws`);
-* the dKV warpgroup (1) waits ``pds_full``, computes the partner heads' ``dQ`` tiles (``dS``
-  from shared memory), then ``dKV = dS^T Q + P^T dO`` over 128 heads for its columns in 64-column
+* the dKV warpgroup (1) waits ``pds_full``, computes the partner heads' ``dQ`` tiles and both
+  head blocks' rope ``dQ`` tiles (``dS`` from shared memory), then ``dKV = dS^T Q + P^T dO`` over 128 heads for its columns in 64-column
   chunks (and a 32-column rope chunk at D 576) with their ``red.global.add.v4.f32`` atomics,
   and arrives on ``pds_empty`` of both CTAs (so neither overwrites ``P`` / ``dS`` the other still
   reads).
@@ -33,8 +34,10 @@ What the split costs is an exchange over distributed shared memory, per block of
 Shared memory at D 576: ``q`` 73,728 and ``dout`` 65,536 bytes (128 heads x 288 / 256 columns),
 the KV tile 36,864 (64 slots x 288), ``P`` and ``dS`` 32,768 (128 heads x 64 slots), the exchange
 buffer 16,384: about 227 KB. The rope columns sit in 64-byte swizzled tiles of their own. ``dQ``
-stays in registers over the row (own heads in warpgroup 0, partner heads in warpgroup 1, each
-64 x 288 fp32 at D 576) and is stored as bf16 at the end.
+stays in registers over the row (warpgroup 0: the own heads' 64 x 256 nope columns; warpgroup 1:
+the partner heads' 64 x 256 and both head blocks' 64 x 32 rope columns, fp32) and is stored as
+bf16 at the end. Measured in ``bench/results/h100_bwd_cols.md``: correct, slower than the
+default (the exchange puts the score warpgroup on the critical path).
 
 This module imports ``cutlass``: use it in a build process only.
 """
