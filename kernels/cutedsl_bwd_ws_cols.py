@@ -58,7 +58,7 @@ from dsa_aot.kernels.cutedsl_bwd_main import (BLOCK_H, BLOCK_N, LOG2E, SparseMla
                                               wg_gemm)
 from dsa_aot.kernels.cutedsl_bwd_ws import SparseMlaBwdWs
 from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, LAYOUTS, VEC, cp_async_16_zfill,
-                                            wg_acc_as_a, wg_rows_cols)
+                                            gather_row_zfill, wg_acc_as_a, wg_rows_cols)
 
 #: The ``impl`` name of this flavour (the build's ``tile.flavour``).
 IMPL = "wgmma_ws_cols"
@@ -419,23 +419,14 @@ class SparseMlaBwdWsCols(SparseMlaBwdWs):
         lo = rank * (HALF // TILE)
         for m in cutlass.range_constexpr(BLOCK_N // rows_per_pass):
             row = row_in_pass + m * rows_per_pass
-            idx = indices[m]
-            ok = (idx >= 0) & (idx < s_kv)
-            src_row = Int32(0)
-            nbytes = Int32(0)
-            if ok:
-                src_row = idx
-                nbytes = Int32(16)
-            src = kv_base + Int64(src_row) * row_bytes + j * (VEC * 2)
-            dst = s_tile_base + row * 128 + ((j ^ (row % 8)) * 16)
-            for c in cutlass.range_constexpr(HALF // TILE):
-                cp_async_16_zfill(dst + c * (BLOCK_N * 128), src + (lo + c) * 128, nbytes)
+            ok, src_row = gather_row_zfill(indices[m], s_kv, j, row, kv_base, row_bytes,
+                                           s_tile_base, BLOCK_N, 0, HALF // TILE, lo)
             if cutlass.const_expr(self.rope > 0):
                 if j < 4:
                     r_src = (kv_base + Int64(src_row) * row_bytes
                              + (D_V + rank * self.rope) * 2 + j * 16)
                     r_dst = s_rope_base + row * 64 + ((j ^ ((row // 2) % 4)) * 16)
-                    cp_async_16_zfill(r_dst, r_src, nbytes)
+                    cp_async_16_zfill(r_dst, r_src, Int32(16) if ok else Int32(0))
             if j == 0:
                 s_valid[buf + row] = Int32(1) if ok else Int32(0)
                 s_idx[buf + row] = src_row

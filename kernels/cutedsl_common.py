@@ -157,11 +157,13 @@ def cp_async_16_zfill(dst: Int32, src: Int64, src_bytes: Int32, *, loc=None, ip=
 @cute.jit
 def gather_row_zfill(idx: Int32, s_kv: Int32, j: Int32, row: Int32, kv_base: Int64,
                      row_bytes: Int64, s_tile_base: Int32, tile_rows: cutlass.Constexpr,
-                     lo: cutlass.Constexpr, hi: cutlass.Constexpr) -> tuple:
+                     lo: cutlass.Constexpr, hi: cutlass.Constexpr, src_tile_offset=0) -> tuple:
     """Gather KV row ``idx`` into row ``row`` of a shared KV tile, this thread's share: 16-byte
     chunk ``j`` of each 64-column tile in ``[lo, hi)``. The tile is K-major, 128-byte swizzled
     and 1024-byte aligned, addressed by hand: 64-column tile ``c`` is ``tile_rows`` rows of 128
-    bytes from ``s_tile_base``, chunk ``j`` of row ``r`` at ``(j ^ (r % 8)) * 16``. Branch-free:
+    bytes from ``s_tile_base``, chunk ``j`` of row ``r`` at ``(j ^ (r % 8)) * 16``. Shared tile
+    ``c`` is filled from the row's 64-column tile ``c + src_tile_offset`` (a CTA that holds a
+    column slice passes the slice's first tile). Branch-free:
     a row outside ``[0, s_kv)`` is copied from KV row 0 with a source size of 0 (reads nothing,
     zero-fills), so ptxas predicates the copies. Returns ``(valid, the row read)``."""
     valid = (idx >= 0) & (idx < s_kv)
@@ -173,5 +175,5 @@ def gather_row_zfill(idx: Int32, s_kv: Int32, j: Int32, row: Int32, kv_base: Int
     src = kv_base + Int64(src_row) * row_bytes + j * (VEC * 2)
     dst = s_tile_base + row * 128 + ((j ^ (row % 8)) * 16)
     for c in cutlass.range_constexpr(lo, hi):
-        cp_async_16_zfill(dst + c * (tile_rows * 128), src + c * 128, nbytes)
+        cp_async_16_zfill(dst + c * (tile_rows * 128), src + (src_tile_offset + c) * 128, nbytes)
     return valid, src_row
