@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import importlib.metadata as md
+import importlib.util
 import json
 import platform
+import re
 import statistics
 from pathlib import Path
 
@@ -87,11 +90,55 @@ def _version(dist: str) -> str:
         return "absent"
 
 
+_DSL_FLAVOUR = re.compile(r"^_cutlass_ir\.cu(\d+)\.")
+
+
+def driver_cuda_version() -> int | None:
+    """``cuDriverGetVersion`` (e.g. 13000 for CUDA 13.0), or None without a driver."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int(0)
+        return version.value if lib.cuDriverGetVersion(ctypes.byref(version)) == 0 else None
+    except (OSError, AttributeError):
+        return None
+
+
+def cutlass_dsl_flavour(mlir_libs: Path | None = None, driver: int | None = -1) -> str:
+    """Which CUDA flavour the CuTe DSL loads in this process, and why, without importing it.
+
+    The DSL ships one ``_cutlass_ir.cu<N>`` extension per installed ``nvidia-cutlass-dsl-libs-cu<N>``
+    and loads the newest whose CUDA major the driver supports (the newest installed without a
+    driver). The cuDNN frontend's CuTe DSL kernels are compiled with it, and their speed depends on
+    it (``bench/results/h100_bwd_cudnn_dsl_flavours.md``), so result files name it. ``mlir_libs``
+    and ``driver`` (``cuDriverGetVersion``'s value, None for no driver) default to this process's.
+    """
+    if mlir_libs is None:
+        found = importlib.util.find_spec("cutlass")
+        if found is None or not found.submodule_search_locations:
+            return "absent"
+        mlir_libs = Path(list(found.submodule_search_locations)[0]) / "_mlir" / "_mlir_libs"
+    installed = sorted({int(m.group(1)) for p in (mlir_libs.iterdir() if mlir_libs.is_dir() else ())
+                        if (m := _DSL_FLAVOUR.match(p.name))})
+    if not installed:
+        return "absent"
+    if driver == -1:
+        driver = driver_cuda_version()
+    names = ", ".join(f"cu{v}" for v in installed)
+    if driver is None:
+        return f"cu{installed[-1]} (installed {names}; no driver: the newest)"
+    usable = [v for v in installed if v <= driver // 1000]
+    driver_text = f"driver CUDA {driver // 1000}.{driver % 1000 // 10}"
+    if not usable:
+        return f"none usable (installed {names}; {driver_text})"
+    return f"cu{usable[-1]} (installed {names}; {driver_text})"
+
+
 def environment() -> dict[str, str]:
     return {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
         "torch": torch.__version__, "cuda": str(torch.version.cuda), "python": platform.python_version(),
         "tilelang": _version("tilelang"), "nvidia-cutlass-dsl": _version("nvidia-cutlass-dsl"),
+        "cutlass-dsl flavour": cutlass_dsl_flavour(),
         "nvidia-cudnn-frontend": _version("nvidia-cudnn-frontend"),
         "date": datetime.date.today().isoformat(),
     }

@@ -143,3 +143,31 @@ def test_causal_inputs_pick_only_earlier_positions_and_pad_the_rest(s_q, s_kv, t
         assert len(set(row[:n])) == n and all(0 <= j <= pos for j in row[:n])
     plain = make_inputs(s_q, s_kv, 2, 64, topk, device="cpu")["topk_idxs"]
     assert (plain[:, :min(topk, s_kv)] >= 0).all()
+
+
+def _flavour_dir(tmp_path: Path, *majors: int) -> Path:
+    libs = tmp_path / "_mlir_libs"
+    libs.mkdir()
+    for n in majors:
+        (libs / f"_cutlass_ir.cu{n}.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    (libs / "_cutlass_ir_version_cu12.py").write_text("")  # not an extension: ignored
+    return libs
+
+
+def test_cutlass_dsl_flavour_follows_the_dsls_rule(tmp_path):
+    common = _module("common")
+    libs = _flavour_dir(tmp_path, 12, 13)
+    assert common.cutlass_dsl_flavour(libs, 13000) == "cu13 (installed cu12, cu13; driver CUDA 13.0)"
+    assert common.cutlass_dsl_flavour(libs, 12090) == "cu12 (installed cu12, cu13; driver CUDA 12.9)"
+    assert common.cutlass_dsl_flavour(libs, None) == "cu13 (installed cu12, cu13; no driver: the newest)"
+    assert common.cutlass_dsl_flavour(libs, 11080) == "none usable (installed cu12, cu13; driver CUDA 11.8)"
+    assert common.cutlass_dsl_flavour(tmp_path / "missing", 13000) == "absent"
+
+
+def test_environment_names_the_installed_dsl_flavour():
+    common = _module("common")
+    env = common.environment()
+    if importlib.util.find_spec("cutlass") is None:
+        assert env["cutlass-dsl flavour"] == "absent"
+    else:
+        assert env["cutlass-dsl flavour"].startswith("cu1"), env["cutlass-dsl flavour"]
