@@ -103,26 +103,27 @@ def driver_cuda_version() -> int | None:
         return None
 
 
-def cutlass_dsl_flavour(mlir_libs: Path | None = None, driver: int | None = -1) -> str:
-    """Which CUDA flavour the CuTe DSL loads in this process, and why, without importing it.
+def dsl_mlir_libs() -> Path | None:
+    """The CuTe DSL's ``_mlir/_mlir_libs`` folder, found without importing ``cutlass``."""
+    found = importlib.util.find_spec("cutlass")
+    if found is None or not found.submodule_search_locations:
+        return None
+    return Path(list(found.submodule_search_locations)[0]) / "_mlir" / "_mlir_libs"
+
+
+def cutlass_dsl_flavour(mlir_libs: Path | None, driver: int | None) -> str:
+    """Which CUDA flavour the CuTe DSL loads, and why, given its ``_mlir_libs`` folder and the
+    driver (``cuDriverGetVersion``'s value, None for no driver).
 
     The DSL ships one ``_cutlass_ir.cu<N>`` extension per installed ``nvidia-cutlass-dsl-libs-cu<N>``
     and loads the newest whose CUDA major the driver supports (the newest installed without a
     driver). The cuDNN frontend's CuTe DSL kernels are compiled with it, and their speed depends on
-    it (``bench/results/h100_bwd_cudnn_dsl_flavours.md``), so result files name it. ``mlir_libs``
-    and ``driver`` (``cuDriverGetVersion``'s value, None for no driver) default to this process's.
+    it (``bench/results/h100_bwd_cudnn_dsl_flavours.md``), so result files name it.
     """
-    if mlir_libs is None:
-        found = importlib.util.find_spec("cutlass")
-        if found is None or not found.submodule_search_locations:
-            return "absent"
-        mlir_libs = Path(list(found.submodule_search_locations)[0]) / "_mlir" / "_mlir_libs"
-    installed = sorted({int(m.group(1)) for p in (mlir_libs.iterdir() if mlir_libs.is_dir() else ())
-                        if (m := _DSL_FLAVOUR.match(p.name))})
+    files = mlir_libs.iterdir() if mlir_libs is not None and mlir_libs.is_dir() else ()
+    installed = sorted({int(m.group(1)) for p in files if (m := _DSL_FLAVOUR.match(p.name))})
     if not installed:
         return "absent"
-    if driver == -1:
-        driver = driver_cuda_version()
     names = ", ".join(f"cu{v}" for v in installed)
     if driver is None:
         return f"cu{installed[-1]} (installed {names}; no driver: the newest)"
@@ -138,7 +139,7 @@ def environment() -> dict[str, str]:
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
         "torch": torch.__version__, "cuda": str(torch.version.cuda), "python": platform.python_version(),
         "tilelang": _version("tilelang"), "nvidia-cutlass-dsl": _version("nvidia-cutlass-dsl"),
-        "cutlass-dsl flavour": cutlass_dsl_flavour(),
+        "cutlass-dsl flavour": cutlass_dsl_flavour(dsl_mlir_libs(), driver_cuda_version()),
         "nvidia-cudnn-frontend": _version("nvidia-cudnn-frontend"),
         "date": datetime.date.today().isoformat(),
     }
