@@ -329,11 +329,13 @@ def cmd_doctor(args) -> int:
     from dsa_aot.cache.store import shared_writable_reason
     from dsa_aot.loader import get_loader
     from dsa_aot.prebuild import default_archs, detect_gpu_archs
+    from dsa_aot.specs.installed import driver_cuda_version
     from dsa_aot.specs.toolchain import Toolchain
 
     cfg = _settings.get()
     tc = Toolchain.current()
     report = {"toolchain": tc.model_dump(mode="json"), "fingerprint": tc.fingerprint,
+              "driver_cuda_version": driver_cuda_version(),  # picks the CuTe DSL's CUDA build
               "backends": _backend_report(tc),
               "gpu_archs": detect_gpu_archs(), "prebuild_archs": default_archs(),
               "settings": {k: str(v) for k, v in vars(cfg).items()},

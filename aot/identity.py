@@ -13,7 +13,7 @@ from dsa_aot.specs.keys import BuildIdentity, RuntimeIdentity, module_sources
 from dsa_aot.specs.sources import runtime_identity_fields
 from dsa_aot.specs.installed import matches_compiler
 from dsa_aot.specs.models import KernelSpec
-from dsa_aot.specs.toolchain import Distribution, Toolchain
+from dsa_aot.specs.toolchain import CUTLASS_DSL_PREFIX, Distribution, Toolchain
 
 
 def installed_compilers(backend: KernelBackend, toolchain: Toolchain) -> tuple[Distribution, ...]:
@@ -56,9 +56,15 @@ def can_key_builds(backend: KernelBackend, toolchain: Toolchain) -> str | None:
 
 def build_identity(backend: KernelBackend, spec: KernelSpec, toolchain: Toolchain) -> BuildIdentity:
     """The spec's build identity under the installed ``toolchain`` (check :func:`can_key_builds`)."""
-    return BuildIdentity(backend=backend.name, compilers=installed_compilers(backend, toolchain),
+    compilers = installed_compilers(backend, toolchain)
+    return BuildIdentity(backend=backend.name, compilers=compilers,
                          nvcc_version=toolchain.nvcc_version if backend.uses_cuda_toolkit else None,
+                         cutlass_dsl_cuda=toolchain.cutlass_dsl_cuda if _uses_cutlass_dsl(compilers) else None,
                          host=toolchain.host, sources=module_sources(backend.source_modules(spec)))
+
+
+def _uses_cutlass_dsl(compilers: tuple[Distribution, ...]) -> bool:
+    return any(d.name.startswith(CUTLASS_DSL_PREFIX) for d in compilers)
 
 
 def runtime_identity(backend: KernelBackend, spec: KernelSpec) -> RuntimeIdentity:
@@ -89,4 +95,8 @@ def recorded_compilers_agree(backend: KernelBackend, recorded: BuildIdentity,
     if (backend.uses_cuda_toolkit and toolchain.nvcc_version is not None
             and toolchain.nvcc_version != recorded.nvcc_version):
         return f"built with nvcc {recorded.nvcc_version}, nvcc {toolchain.nvcc_version} is installed here"
+    mine_cuda = toolchain.cutlass_dsl_cuda if _uses_cutlass_dsl(installed_compilers(backend, toolchain)) else None
+    if mine_cuda is not None and recorded.cutlass_dsl_cuda is not None and mine_cuda != recorded.cutlass_dsl_cuda:
+        return (f"built with the CuTe DSL's cu{recorded.cutlass_dsl_cuda} build, the DSL here loads its "
+                f"cu{mine_cuda} build (it picks the newest the driver supports)")
     return None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import importlib.metadata as md
 import importlib.util
@@ -13,6 +12,8 @@ import statistics
 from pathlib import Path
 
 import torch
+
+from dsa_aot.specs.installed import driver_cuda_version, dsl_cuda_choice
 
 
 def make_inputs(s_q: int, s_kv: int, heads: int, d_qk: int, topk: int, *, seed: int = 0,
@@ -93,16 +94,6 @@ def _version(dist: str) -> str:
 _DSL_FLAVOUR = re.compile(r"^_cutlass_ir\.cu(\d+)\.")
 
 
-def driver_cuda_version() -> int | None:
-    """``cuDriverGetVersion`` (e.g. 13000 for CUDA 13.0), or None without a driver."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        version = ctypes.c_int(0)
-        return version.value if lib.cuDriverGetVersion(ctypes.byref(version)) == 0 else None
-    except (OSError, AttributeError):
-        return None
-
-
 def dsl_mlir_libs() -> Path | None:
     """The CuTe DSL's ``_mlir/_mlir_libs`` folder, found without importing ``cutlass``."""
     found = importlib.util.find_spec("cutlass")
@@ -125,13 +116,13 @@ def cutlass_dsl_flavour(mlir_libs: Path | None, driver: int | None) -> str:
     if not installed:
         return "absent"
     names = ", ".join(f"cu{v}" for v in installed)
+    chosen = dsl_cuda_choice(installed, driver)
     if driver is None:
-        return f"cu{installed[-1]} (installed {names}; no driver: the newest)"
-    usable = [v for v in installed if v <= driver // 1000]
+        return f"cu{chosen} (installed {names}; no driver: the newest)"
     driver_text = f"driver CUDA {driver // 1000}.{driver % 1000 // 10}"
-    if not usable:
+    if chosen is None:
         return f"none usable (installed {names}; {driver_text})"
-    return f"cu{usable[-1]} (installed {names}; {driver_text})"
+    return f"cu{chosen} (installed {names}; {driver_text})"
 
 
 def environment() -> dict[str, str]:

@@ -55,6 +55,42 @@ def _installed_distributions(search_path: Iterable[str]) -> dict[str, Path]:
 
 
 
+# --- the CuTe DSL's CUDA build ---------------------------------------------------------------
+
+#: One CuTe DSL build per CUDA major, each its own distribution (``nvidia-cutlass-dsl-libs-cu13``).
+DSL_CUDA_LIBS = re.compile(r"^nvidia-cutlass-dsl-libs-cu(\d+)$")
+
+
+@functools.lru_cache(maxsize=1)
+def driver_cuda_version() -> int | None:
+    """The driver's ``cuDriverGetVersion`` (``13000`` for CUDA 13.0), or None without a driver.
+    Needs ``libcuda.so.1`` only, no GPU; read once per process."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int(0)
+        return version.value if lib.cuDriverGetVersion(ctypes.byref(version)) == 0 else None
+    except (OSError, AttributeError):
+        return None
+
+
+def dsl_cuda_majors(distributions: Iterable[str]) -> tuple[int, ...]:
+    """The CUDA majors of the CuTe DSL builds among ``distributions`` (normalized names), sorted."""
+    return tuple(sorted({int(m.group(1)) for name in distributions if (m := DSL_CUDA_LIBS.match(name))}))
+
+
+def dsl_cuda_choice(installed: Iterable[int], driver: int | None) -> int | None:
+    """The CUDA major of the CuTe DSL build the DSL loads, as it chooses at import: the newest
+    installed one the driver supports (driver major at least the build's), the newest installed
+    without a driver (a CPU builder). None when none is installed or the driver supports none.
+    It compiles with that build's libraries, so the build key names it."""
+    majors = sorted(installed)
+    if driver is not None:
+        majors = [major for major in majors if major <= driver // 1000]
+    return majors[-1] if majors else None
+
+
 def nvcc_version_of(nvcc: Path | None, spawn: bool, reasons: list[str]) -> str | None:
     from dsa_aot import settings
 

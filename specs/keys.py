@@ -3,7 +3,8 @@
 Two identities describe an artifact (both are recorded in its manifest):
 
 * :class:`BuildIdentity`: everything a build of one spec reads besides the spec itself: its
-  backend's compiler distributions by content, the nvcc that keys the CUDA toolkit, the host,
+  backend's compiler distributions by content, which of the CuTe DSL's CUDA builds the DSL
+  loads (it picks one by the driver), the nvcc that keys the CUDA toolkit, the host,
   and the sha256 of exactly the source files the build imports. Those files come from the
   module graph (:func:`module_sources`): the backend's build modules and the spec's kernel
   modules, followed through every static ``import`` of a ``dsa_aot`` module (parent packages
@@ -35,6 +36,9 @@ class BuildIdentity(BaseModel):
     compilers: tuple[Distribution, ...] = Field(description="the backend's compiler distributions, "
                                                 "by content (RECORD digest), sorted by name")
     nvcc_version: str | None = Field(description="the CUDA toolkit's nvcc, when the backend uses it")
+    cutlass_dsl_cuda: int | None = Field(None, description="CUDA major of the CuTe DSL build the "
+                                         "build host's DSL loaded (13: nvidia-cutlass-dsl-libs-cu13), "
+                                         "when the backend compiles with the CuTe DSL")
     host: str = Field(description="OS and CPU of host code in artifacts, e.g. 'linux-x86_64'")
     sources: dict[str, str] = Field(description="module file (e.g. 'dsa_aot/kernels/tilelang_fwd.py') "
                                     "-> sha256, for every dsa_aot module the build imports")

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 #: Bump to invalidate every cached artifact when the meaning of a key field changes.
-KEY_SCHEMA = 2
+KEY_SCHEMA = 3
 #: Top-level packages whose modules are followed (the rest is a compiler or the standard library).
 ROOT_PACKAGE = "dsa_aot"
 

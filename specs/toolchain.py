@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 from dsa_aot.specs.installed import (  # noqa: F401  (re-exported)
     NVCC_TIMEOUT_S, TOOLCHAIN_MEMO, _installed_distributions, _memo_get, _memo_put, _normalize,
-    _nvcc_version_from_files, _nvcc_version_spawned, file_identity, memo_get, memo_put_many,
-    nvcc_version, nvcc_version_of)
+    _nvcc_version_from_files, _nvcc_version_spawned, driver_cuda_version, dsl_cuda_choice, dsl_cuda_majors,
+    file_identity, memo_get, memo_put_many, nvcc_version, nvcc_version_of)
 from dsa_aot.toolkit import resolve_nvcc  # noqa: F401  (re-exported)
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -88,6 +88,11 @@ class Toolchain(BaseModel):
     cutlass_dsl: tuple[Distribution, ...] = Field(
         (), description="every installed nvidia-cutlass-dsl* distribution, sorted by name, "
         "content-hashed (CPython extension modules excluded, as for every distribution)")
+    cutlass_dsl_cuda: int | None = Field(
+        None, description="CUDA major of the CuTe DSL build (nvidia-cutlass-dsl-libs-cu<N>) the DSL "
+        "loads here, as it chooses by the driver (the newest installed without one); None when "
+        "none is installed or the driver supports none. The same packages compile different code "
+        "with cu12 and cu13")
     other_compilers: tuple[Distribution, ...] = Field(
         (), description="compiler distributions other backends declare, content-hashed, by name")
     nvcc_version: str | None = Field(description="what `nvcc --version` reports, e.g. '13.0.88'")
@@ -148,10 +153,12 @@ class Toolchain(BaseModel):
         if tilelang is not None:
             _check_tilelang_overrides(dists["tilelang"], reasons)
         nvcc_ver = nvcc_version_of(nvcc, spawn_nvcc, reasons)
+        dsl_cuda = dsl_cuda_majors(d.name for d in cutlass)
         return cls(
             tilelang=tilelang,
             tvm_ffi=tvm_ffi,
             cutlass_dsl=cutlass,
+            cutlass_dsl_cuda=dsl_cuda_choice(dsl_cuda, driver_cuda_version()) if dsl_cuda else None,
             other_compilers=other,
             nvcc_version=nvcc_ver,
             cuda_driver_min=None if nvcc_ver is None else ".".join(nvcc_ver.split(".")[:2]),

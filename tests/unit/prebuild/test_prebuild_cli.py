@@ -16,6 +16,7 @@ from dsa_aot.backends.tilelang.records import LaunchRecord
 from dsa_aot.cache.store import ArtifactStore
 from dsa_aot.identity import build_identity
 from dsa_aot.specs.catalog import load_catalog
+from dsa_aot.specs.installed import dsl_cuda_choice, dsl_cuda_majors
 from dsa_aot.specs.models import KernelSpec
 from dsa_aot.specs.toolchain import Toolchain
 
@@ -120,6 +121,8 @@ def test_runtime_image_without_cuda_toolkit_serves_the_prebuilt_root(built, tmp_
     doctor = json.loads(cli("doctor", *only, root=tmp_path / "rw", env=no_toolkit).stdout)
     assert doctor["toolchain"]["nvcc_version"] is None
     assert doctor["fingerprint"] != Toolchain.current().fingerprint
+    dsl_builds = dsl_cuda_majors(d["name"] for d in doctor["toolchain"]["cutlass_dsl"])
+    assert doctor["toolchain"]["cutlass_dsl_cuda"] == dsl_cuda_choice(dsl_builds, doctor["driver_cuda_version"])
     assert doctor["backends"]["tilelang"]["lookup_rule"] == "runtime identity"
     assert "nvcc" in doctor["backends"]["tilelang"]["why"]
     served = doctor["loader_would_serve"]

@@ -358,6 +358,7 @@ FIELD_CHANGES = {
     "tilelang": Distribution(name="tilelang", version="0.1.15", content_sha256="0" * 64),
     "tvm_ffi": None,
     "cutlass_dsl": (),
+    "cutlass_dsl_cuda": 12,
     "other_compilers": (Distribution(name="other-compiler", version="2.0", content_sha256="1" * 64),),
     "nvcc_version": "13.0.89",
     "cuda_driver_min": "13.1",
@@ -525,3 +526,49 @@ def test_record_digest_quoted_and_plain_lines_agree(env):
     record.write_text(quoted)
     slow, _ = tc.record_digest(dist)
     assert slow == _digest_by_csv(quoted) and slow != fast
+
+
+# --- which CUDA build of the CuTe DSL the build uses ---------------------------------------------
+
+def test_dsl_cuda_choice_follows_the_dsls_own_rule():
+    assert installed.dsl_cuda_choice([12, 13], 13000) == 13
+    assert installed.dsl_cuda_choice([13, 12], 13010) == 13
+    assert installed.dsl_cuda_choice([12, 13], 12090) == 12  # a CUDA 12 driver cannot run cu13
+    assert installed.dsl_cuda_choice([12, 13], None) == 13   # no driver (a CPU builder): the newest
+    assert installed.dsl_cuda_choice([13], 12090) is None    # none usable: the DSL refuses to load
+    assert installed.dsl_cuda_choice([], 13000) is None
+    assert installed.dsl_cuda_majors(["nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-cu13",
+                                      "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-cu12"]) == (12, 13)
+
+
+@pytest.mark.parametrize("driver, expect", [(None, 13), (13000, 13), (12090, 12), (11080, None)])
+def test_toolchain_names_the_dsl_cuda_build_the_driver_selects(env, monkeypatch, driver, expect):
+    assert env.collect().cutlass_dsl_cuda is None  # no libs-cu<N> installed: nothing to choose
+    env.install("nvidia-cutlass-dsl-libs-cu12", "4.8.1", {"nvidia_cutlass_dsl/cu12/lib/a.so": b"\x7fELF 12"})
+    env.install("nvidia-cutlass-dsl-libs-cu13", "4.8.1", {"nvidia_cutlass_dsl/cu13/lib/a.so": b"\x7fELF 13"})
+    monkeypatch.setattr(tc, "driver_cuda_version", lambda: driver)
+    t = env.collect()
+    assert t.cutlass_dsl_cuda == expect and t.complete
+    # the same packages on a host whose driver picks the other build: another fingerprint
+    other = env.collect().model_copy(update={"cutlass_dsl_cuda": 12 if expect == 13 else 13})
+    assert other.fingerprint != t.fingerprint
+
+
+def test_build_key_names_the_dsl_cuda_build_for_dsl_backends_only():
+    from dsa_aot.backends import BACKENDS
+    from dsa_aot.identity import build_identity, recorded_compilers_agree
+    from dsa_aot.specs.models import KernelSpec
+
+    spec = KernelSpec(op="fwd", arch="sm_90a", d_qk=576, heads=64, layout="noncompact", backend="cutedsl")
+    cu13 = Toolchain.current().model_copy(update={"cutlass_dsl_cuda": 13})
+    cu12 = cu13.model_copy(update={"cutlass_dsl_cuda": 12})
+    cute = BACKENDS["cutedsl"]
+    assert build_identity(cute, spec, cu13).cutlass_dsl_cuda == 13
+    assert build_identity(cute, spec, cu13).key() != build_identity(cute, spec, cu12).key()
+    assert recorded_compilers_agree(cute, build_identity(cute, spec, cu13), cu13) is None
+    why = recorded_compilers_agree(cute, build_identity(cute, spec, cu13), cu12)
+    assert why is not None and "cu13" in why and "cu12" in why, why
+    tl = BACKENDS["tilelang"]  # TileLang does not compile with the CuTe DSL: its key ignores it
+    tl_spec = spec.model_copy(update={"backend": "tilelang"})
+    assert build_identity(tl, tl_spec, cu13).cutlass_dsl_cuda is None
+    assert build_identity(tl, tl_spec, cu13).key() == build_identity(tl, tl_spec, cu12).key()
