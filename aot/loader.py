@@ -42,6 +42,7 @@ from dsa_aot.cache.store import (META, ArtifactStore, CacheError, CorruptArtifac
 from dsa_aot.errors import (DeterminismUnavailableError, MissingPrebuiltError,  # noqa: F401  (re-exported)
                             UnsupportedDeviceError)
 from dsa_aot.specs.keys import RuntimeIdentity
+from dsa_aot.specs.installed import driver_cuda_version
 from dsa_aot.specs.models import KernelSpec, arch_of_capability  # noqa: F401  (re-exported)
 
 log = logging.getLogger("dsa_aot")
@@ -72,6 +73,23 @@ class Match:
     entry: Entry
     rule: str
 
+
+def driver_too_old(cuda_driver_min: str | None) -> str | None:
+    """Why this driver cannot run an artifact built for CUDA ``cuda_driver_min`` (e.g. '13.0'),
+    with the fix; None when it can or either version is unknown (the load then decides)."""
+    have = driver_cuda_version()
+    if cuda_driver_min is None or have is None:
+        return None
+    try:
+        need = tuple(int(part) for part in cuda_driver_min.split(".")[:2])
+    except ValueError:
+        return None
+    if (have // 1000, have % 1000 // 10) >= need:
+        return None
+    have_text = f"{have // 1000}.{have % 1000 // 10}"
+    return (f"built with the CUDA {cuda_driver_min} toolkit, and this NVIDIA driver supports CUDA "
+            f"{have_text} at most: update the driver, or prebuild with a CUDA {have_text} toolkit "
+            "(DSA_AOT_NVCC)")
 
 class Loader:
     """Resolves specs to loaded kernels. One per process (see :func:`get_loader`)."""
@@ -309,6 +327,10 @@ class Loader:
                     entry.meta.spec_id, entry.meta.arch, entry.meta.fingerprint):
                 raise CorruptArtifact(f"{entry.key}: its manifest describes {manifest.key}/"
                                       f"{manifest.spec.arch}/{manifest.spec.id}")
+            too_old = driver_too_old(manifest.cuda_driver_min)
+            if too_old:
+                self._once(f"not loading {entry.key}: {too_old}", logging.WARNING)
+                return None
             kernel = BACKENDS[manifest.spec.backend].load(
                 manifest, lambda name: store.read_file(entry, name), device_index)
         except CorruptArtifact as exc:

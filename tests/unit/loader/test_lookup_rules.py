@@ -197,3 +197,25 @@ def test_unidentifiable_tilelang_without_nvcc_is_refused(cache_root, backend, bu
         assert loader_with(weak).try_load(SPEC, 0) is None
     assert f"not serving {entry.key}: tilelang installed here cannot be identified" in caplog.text
     assert loads == []
+
+
+# --- the driver floor -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("driver, served", [(12040, False), (13000, True), (None, True)])
+def test_an_entry_for_a_newer_cuda_than_the_driver_is_a_logged_miss(cache_root, backend, builder, loads,
+                                                                    caplog, monkeypatch, driver, served):
+    import dsa_aot.loader as loader_module
+
+    cuda13 = builder.model_copy(update={"cuda_driver_min": "13.0"})
+    store = ArtifactStore(cache_root)
+    entry = publish(store, manifest(backend, cuda13))
+    monkeypatch.setattr(loader_module, "driver_cuda_version", lambda: driver)
+    loader = loader_with(builder)
+    with caplog.at_level(logging.INFO, logger="dsa_aot"):
+        got = loader.try_load(SPEC, 0)
+    if served:
+        assert got is not None and loads == [(SPEC.id, CUBIN)]
+        return
+    assert got is None and loads == [] and store.quarantined() == []  # a miss, the entry intact
+    assert (f"not loading {entry.key}: built with the CUDA 13.0 toolkit, and this NVIDIA driver "
+            "supports CUDA 12.4 at most: update the driver") in caplog.text
