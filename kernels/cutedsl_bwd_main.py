@@ -66,7 +66,7 @@ from cutlass.utils import hopper_helpers as sm90_utils
 from dsa_aot.kernels import cutedsl_common as common
 from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, HEAD_CHOICES, LAYOUTS, VEC,
                                             acc_rows_cols, fake_tensor, gather_row_zfill,
-                                            run_time_sizes, vec_stride, wg_rows_cols)
+                                            l2_policy, run_time_sizes, vec_stride, wg_rows_cols)
 from dsa_aot.kernels.dkv_interleave import dkv_acc_column
 from dsa_aot.kernels.fixed_point import row_words
 
@@ -187,6 +187,9 @@ def wgmma_smem_layouts(d_qk: int) -> dict[str, cute.ComposedLayout]:
 
 class SparseMlaBwdMain:
     """The backward main kernel for one ``(d_qk, heads, layout)``."""
+
+    #: Whether the KV gather's reads carry an L2 evict-last policy (KV is the hot set).
+    KV_EVICT_LAST = False
 
     def __init__(self, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
                  scatter: bool = True, impl: str = "mma", deterministic: bool = False) -> None:
@@ -909,10 +912,12 @@ class SparseMlaBwdMain:
         (:func:`~dsa_aot.kernels.cutedsl_common.gather_row_zfill`)."""
         j = tidx % (64 // VEC)
         rows_per_pass = self.gather_threads // (64 // VEC)
+        policy = l2_policy("evict_last") if cutlass.const_expr(self.KV_EVICT_LAST) else None
         for m in cutlass.range_constexpr(self.kv_tile_rows // rows_per_pass):
             row = row_in_pass + m * rows_per_pass
             ok, src_row = gather_row_zfill(indices[m], s_kv, j, row, kv_base, row_bytes,
-                                           s_tile_base, self.kv_tile_rows, 0, self.d_qk // 64)
+                                           s_tile_base, self.kv_tile_rows, 0, self.d_qk // 64,
+                                           policy=policy)
             if j == 0:
                 s_valid[buf + row] = Int32(1) if ok else Int32(0)
                 if cutlass.const_expr(self.fixed_point):  # -1: no fixed-point add

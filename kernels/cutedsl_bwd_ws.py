@@ -60,6 +60,14 @@ deterministic mode; the fixed-point mode walks the same order) starts a row's se
 at the middle of the row (:meth:`SparseMlaBwdWs.block_at`). Measured in
 ``bench/results/h100_bwd_persistent_staggered.md`` and ``bench/results/h100_bwd_staggered.md``.
 
+L2 cache policies (class switches, off by default): :attr:`SparseMlaBwdWs.STREAM_EVICT_FIRST`
+issues the ``q`` / ``dout`` row copies (the gather's branch-free 16-byte ``cp.async``, rows =
+heads) and the dQ stores with an ``L2::evict_first`` policy, and
+:attr:`~dsa_aot.kernels.cutedsl_bwd_main.SparseMlaBwdMain.KV_EVICT_LAST` the KV gather with
+``L2::evict_last``: ours misses the L2 on KV rows and fp32 dKV lines about twice as often as the
+cuDNN frontend's kernel (``bench/results/h100_ncu_bwd_l2_miss_split.md``). Off, the PTX is the
+same as without them.
+
 This module imports ``cutlass``: use it in a build process only.
 """
 
@@ -81,7 +89,8 @@ from dsa_aot.kernels.cutedsl_bwd_main import (BLOCK_H, BLOCK_N, LOG2E, Determini
                                               compile_flavour, score_gemms, wg_gemm)
 from dsa_aot.kernels.cutedsl_fixed_point import (add_fixed, chunk_max, fixed_scales, flush_max,
                                                  fold_max, launch_skipped)
-from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, LAYOUTS, VEC, wg_acc_as_a,
+from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, LAYOUTS, VEC, gather_row_zfill,
+                                            l2_policy, store_bf16x2_hint, wg_acc_as_a,
                                             wg_rows_cols)
 
 #: The ``impl`` name of this flavour (the build's ``tile.flavour``), and of its deterministic
@@ -212,6 +221,9 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
     PERSISTENT = False
     #: Whether head block ``hb`` starts at block ``hb * (blocks // 2)`` (:data:`STAGGERED_IMPL`).
     STAGGER = False
+    #: Whether the streams read or written once (q / dout rows, dQ) carry an L2 evict-first
+    #: policy, so that they leave the hot set (KV rows, fp32 dKV lines) in the L2.
+    STREAM_EVICT_FIRST = False
 
     def __init__(self, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
                  scatter: bool = True, deterministic: bool = False,
@@ -498,9 +510,26 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                        row_copy: cute.TiledCopy, tidx: Int32, wtid: Int32, wg: Int32) -> None:
         """Issue the ``cp.async`` copies of row ``t``'s ``q`` and ``dout`` (head block ``hb``),
         all threads, and store its ``lse`` (base 2) and ``delta`` (no commit)."""
-        thr_row = row_copy.get_slice(tidx)
-        self.load_row(t, hb, m_q, m_do, m_lse, m_delta, sm["q"], sm["do"], sm["lse"],
-                      sm["delta"], thr_row, row_copy, tidx // (TILE // VEC), tidx)
+        if cutlass.const_expr(self.STREAM_EVICT_FIRST):
+            policy = l2_policy("evict_first")
+            j = tidx % (TILE // VEC)
+            rows_per_pass = THREADS // (TILE // VEC)
+            for src, dst, width in ((m_q, sm["q"], self.d_qk), (m_do, sm["do"], D_V)):
+                base = (src.iterator.toint() + Int64(t) * Int64(src.stride[0]) * 2
+                        + Int64(hb * BLOCK_H) * Int64(src.stride[1]) * 2)
+                for m in cutlass.range_constexpr(BLOCK_H // rows_per_pass):
+                    row = tidx // (TILE // VEC) + m * rows_per_pass
+                    gather_row_zfill(row, Int32(BLOCK_H), j, row, base, Int64(src.stride[1]) * 2,
+                                     dst.iterator.toint(), BLOCK_H, 0, width // TILE,
+                                     policy=policy)
+            if tidx < BLOCK_H:
+                head = hb * BLOCK_H + tidx
+                sm["lse"][tidx] = m_lse[t, head] * Float32(LOG2E)
+                sm["delta"][tidx] = m_delta[t, head]
+        else:
+            thr_row = row_copy.get_slice(tidx)
+            self.load_row(t, hb, m_q, m_do, m_lse, m_delta, sm["q"], sm["do"], sm["lse"],
+                          sm["delta"], thr_row, row_copy, tidx // (TILE // VEC), tidx)
 
     @cute.jit
     def score_warpgroup(self, t: Int32, hb: Int32, n_blocks: Int32, n_slots: Int32,
@@ -841,10 +870,16 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         for i in cutlass.range_constexpr(len(acc_dq)):
             g_dq = cute.local_tile(m_dq[t, None, None], (BLOCK_H, TILE), (hb, first_tile + i))
             t_g = thr_dq.partition_C(g_dq)
-            r_o = cute.make_fragment_like(acc_dq[i], BFloat16)
-            r_o.store(acc_dq[i].load().to(BFloat16))
-            for e in cutlass.range_constexpr(cute.size(r_o)):
-                t_g[e] = r_o[e]
+            if cutlass.const_expr(self.STREAM_EVICT_FIRST):
+                policy = l2_policy("evict_first")
+                for e in cutlass.range_constexpr(0, cute.size(t_g), 2):  # (e, e + 1): adjacent columns
+                    store_bf16x2_hint((t_g.iterator + t_g.layout(e)).toint(), acc_dq[i][e],
+                                      acc_dq[i][e + 1], policy)
+            else:
+                r_o = cute.make_fragment_like(acc_dq[i], BFloat16)
+                r_o.store(acc_dq[i].load().to(BFloat16))
+                for e in cutlass.range_constexpr(cute.size(r_o)):
+                    t_g[e] = r_o[e]
 
 
 class SparseMlaBwdWsCompact(SparseMlaBwdWs, SparseMlaBwdMainCompact):

@@ -154,10 +154,46 @@ def cp_async_16_zfill(dst: Int32, src: Int64, src_bytes: Int32, *, loc=None, ip=
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
+@cutlass.dsl_user_op
+def l2_policy(kind: cutlass.Constexpr, *, loc=None, ip=None) -> Int64:
+    """A ``createpolicy`` L2 cache policy for all of a load's or store's lines, ``kind``
+    ``"evict_first"`` (streamed data, read or written once) or ``"evict_last"`` (the hot set)."""
+    return Int64(llvm.inline_asm(Int64.mlir_type, [],
+                                 f"createpolicy.fractional.L2::{kind}.b64 $0, 1.0;", "=l",
+                                 has_side_effects=False, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@cutlass.dsl_user_op
+def cp_async_16_zfill_hint(dst: Int32, src: Int64, src_bytes: Int32, policy: Int64, *, loc=None,
+                           ip=None) -> None:
+    """:func:`cp_async_16_zfill` under the L2 cache ``policy`` (:func:`l2_policy`)."""
+    llvm.inline_asm(None, [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip),
+                           Int32(src_bytes).ir_value(loc=loc, ip=ip),
+                           Int64(policy).ir_value(loc=loc, ip=ip)],
+                    "cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, $2, $3;", "r,l,r,l",
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@cutlass.dsl_user_op
+def store_bf16x2_hint(addr: Int64, v0: Float32, v1: Float32, policy: Int64, *, loc=None,
+                      ip=None) -> None:
+    """Round two fp32 values to bf16 and store them (4 bytes, ``v0`` first) at ``addr`` under
+    the L2 cache ``policy``."""
+    llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), Float32(v0).ir_value(loc=loc, ip=ip),
+                           Float32(v1).ir_value(loc=loc, ip=ip), Int64(policy).ir_value(loc=loc, ip=ip)],
+                    "{ .reg .b32 v; cvt.rn.bf16x2.f32 v, $2, $1; "
+                    "st.global.L2::cache_hint.b32 [$0], v, $3; }", "l,f,f,l",
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
 @cute.jit
 def gather_row_zfill(idx: Int32, s_kv: Int32, j: Int32, row: Int32, kv_base: Int64,
                      row_bytes: Int64, s_tile_base: Int32, tile_rows: cutlass.Constexpr,
-                     lo: cutlass.Constexpr, hi: cutlass.Constexpr, src_tile_offset=0) -> tuple:
+                     lo: cutlass.Constexpr, hi: cutlass.Constexpr, src_tile_offset=0,
+                     policy=None) -> tuple:
     """Gather KV row ``idx`` into row ``row`` of a shared KV tile, this thread's share: 16-byte
     chunk ``j`` of each 64-column tile in ``[lo, hi)``. The tile is K-major, 128-byte swizzled
     and 1024-byte aligned, addressed by hand: 64-column tile ``c`` is ``tile_rows`` rows of 128
@@ -175,5 +211,9 @@ def gather_row_zfill(idx: Int32, s_kv: Int32, j: Int32, row: Int32, kv_base: Int
     src = kv_base + Int64(src_row) * row_bytes + j * (VEC * 2)
     dst = s_tile_base + row * 128 + ((j ^ (row % 8)) * 16)
     for c in cutlass.range_constexpr(lo, hi):
-        cp_async_16_zfill(dst + c * (tile_rows * 128), src + (src_tile_offset + c) * 128, nbytes)
+        if cutlass.const_expr(policy is None):
+            cp_async_16_zfill(dst + c * (tile_rows * 128), src + (src_tile_offset + c) * 128, nbytes)
+        else:
+            cp_async_16_zfill_hint(dst + c * (tile_rows * 128), src + (src_tile_offset + c) * 128,
+                                   nbytes, policy)
     return valid, src_row

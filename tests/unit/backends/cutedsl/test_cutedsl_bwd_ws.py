@@ -409,3 +409,44 @@ def test_gpu_fast_variants_match_wgmma_ws(impl: str, s_q: int, heads: int, d_qk:
     for x, ref in zip(got, (dq_ref, dkv_ref, dsink_ref)):
         assert _rel(x, ref) < 2e-2
     assert torch.count_nonzero(got[0][s_q // 2]).item() == 0
+
+
+_L2_POLICY_BUILD = """
+import glob, os, sys
+from dsa_aot.kernels import cutedsl_bwd_main as main, cutedsl_bwd_ws as k
+main.SparseMlaBwdMain.KV_EVICT_LAST = sys.argv[1] == "on"
+k.SparseMlaBwdWs.STREAM_EVICT_FIRST = sys.argv[1] == "on"
+k.compile_bwd_ws("sm_90a", 512, 64, "noncompact")
+ptx = [p for p in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")) if "bwd_ws" in p]
+text = open(ptx[0]).read()
+print(text.count("createpolicy.fractional.L2::evict_first"), text.count("createpolicy.fractional.L2::evict_last"),
+      text.count("cp.async.cg.shared.global.L2::cache_hint"), text.count("st.global.L2::cache_hint.b32"),
+      text.count("cp.async.cg.shared.global ["))
+"""
+
+
+@needs_cute_dsl
+@pytest.mark.parametrize("switch", ["on", "off"])
+def test_l2_policies_reach_the_ptx_only_when_switched_on(tmp_path: Path, monkeypatch, switch: str) -> None:
+    """``STREAM_EVICT_FIRST`` puts an evict-first policy on every q / dout row copy and dQ store,
+    ``KV_EVICT_LAST`` an evict-last one on every KV gather copy; off (the default), the copies
+    and stores carry none."""
+    monkeypatch.setenv("CUTE_DSL_KEEP_PTX", "1")
+    monkeypatch.setenv("CUTE_DSL_DUMP_DIR", str(tmp_path))
+    script = tmp_path / "l2.py"
+    script.write_text(_L2_POLICY_BUILD)
+    import os
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, str(script), switch], capture_output=True, text=True,
+                          env=dict(os.environ, CUTE_DSL_ARCH="sm_90a"), timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, last, hinted_copies, hinted_stores, plain_copies = map(int, proc.stdout.split())
+    if switch == "off":
+        assert (first, last, hinted_copies, hinted_stores) == (0, 0, 0, 0) and plain_copies > 0
+        return
+    # D512: q and dout, 8 column tiles each, 2 rows a thread, and the gather's 8 tiles x 2 rows in
+    # each place it is issued; dQ: each warpgroup's code stores 64 x 256 values / 128 threads,
+    # two a store
+    assert first >= 1 and last >= 1 and plain_copies == 0, proc.stdout
+    assert hinted_copies >= 2 * 16 + 16 and hinted_stores == 2 * (64 * 256 // 128 // 2), proc.stdout
