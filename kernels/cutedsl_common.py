@@ -142,15 +142,19 @@ def fake_tensor(dtype: type, shape: tuple, stride: tuple, align: int) -> object:
 
 
 @cutlass.dsl_user_op
-def cp_async_16_zfill(dst: Int32, src: Int64, src_bytes: Int32, *, loc=None, ip=None) -> None:
+def cp_async_16_zfill(dst: Int32, src: Int64, src_bytes: Int32, policy: Int64 | None = None, *,
+                      loc=None, ip=None) -> None:
     """One 16-byte ``cp.async.cg`` from global ``src`` to shared ``dst``, reading
     ``src_bytes`` (16 or 0) and zero-filling the rest: an invalid slot costs the same one
-    instruction as a valid one and reads nothing."""
-    llvm.inline_asm(None, [Int32(dst).ir_value(loc=loc, ip=ip),
-                           Int64(src).ir_value(loc=loc, ip=ip),
-                           Int32(src_bytes).ir_value(loc=loc, ip=ip)],
-                    "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r",
-                    has_side_effects=True, is_align_stack=False,
+    instruction as a valid one and reads nothing. ``policy``: an L2 cache policy
+    (:func:`l2_policy`) for the read."""
+    args = [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip),
+            Int32(src_bytes).ir_value(loc=loc, ip=ip)]
+    text, constraints = "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r"
+    if policy is not None:
+        args.append(Int64(policy).ir_value(loc=loc, ip=ip))
+        text, constraints = "cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, $2, $3;", "r,l,r,l"
+    llvm.inline_asm(None, args, text, constraints, has_side_effects=True, is_align_stack=False,
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
@@ -162,18 +166,6 @@ def l2_policy(kind: cutlass.Constexpr, *, loc=None, ip=None) -> Int64:
                                  f"createpolicy.fractional.L2::{kind}.b64 $0, 1.0;", "=l",
                                  has_side_effects=False, is_align_stack=False,
                                  asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-
-@cutlass.dsl_user_op
-def cp_async_16_zfill_hint(dst: Int32, src: Int64, src_bytes: Int32, policy: Int64, *, loc=None,
-                           ip=None) -> None:
-    """:func:`cp_async_16_zfill` under the L2 cache ``policy`` (:func:`l2_policy`)."""
-    llvm.inline_asm(None, [Int32(dst).ir_value(loc=loc, ip=ip), Int64(src).ir_value(loc=loc, ip=ip),
-                           Int32(src_bytes).ir_value(loc=loc, ip=ip),
-                           Int64(policy).ir_value(loc=loc, ip=ip)],
-                    "cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, $2, $3;", "r,l,r,l",
-                    has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 @cutlass.dsl_user_op
@@ -211,9 +203,6 @@ def gather_row_zfill(idx: Int32, s_kv: Int32, j: Int32, row: Int32, kv_base: Int
     src = kv_base + Int64(src_row) * row_bytes + j * (VEC * 2)
     dst = s_tile_base + row * 128 + ((j ^ (row % 8)) * 16)
     for c in cutlass.range_constexpr(lo, hi):
-        if cutlass.const_expr(policy is None):
-            cp_async_16_zfill(dst + c * (tile_rows * 128), src + (src_tile_offset + c) * 128, nbytes)
-        else:
-            cp_async_16_zfill_hint(dst + c * (tile_rows * 128), src + (src_tile_offset + c) * 128,
-                                   nbytes, policy)
+        cp_async_16_zfill(dst + c * (tile_rows * 128), src + (src_tile_offset + c) * 128, nbytes,
+                          policy)
     return valid, src_row
