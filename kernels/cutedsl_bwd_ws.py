@@ -90,9 +90,9 @@ from dsa_aot.kernels.cutedsl_bwd_main import (BLOCK_H, BLOCK_N, LOG2E, Determini
                                               compile_flavour, score_gemms, wg_gemm)
 from dsa_aot.kernels.cutedsl_fixed_point import (add_fixed, chunk_max, fixed_scales, flush_max,
                                                  fold_max, launch_skipped)
-from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, LAYOUTS, VEC, gather_row_zfill,
-                                            l2_policy, store_bf16x2_hint, wg_acc_as_a,
-                                            wg_rows_cols)
+from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, LAYOUTS, VEC,
+                                            copy_16_shared_to_global, gather_row_zfill, l2_policy,
+                                            store_bf16x2_hint, wg_acc_as_a, wg_rows_cols)
 
 #: The ``impl`` name of this flavour (the build's ``tile.flavour``), and of its deterministic
 #: mode with fixed-point adds (the default deterministic mode stores rows).
@@ -225,6 +225,9 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
     #: Whether the streams read or written once (q / dout rows, dQ) carry an L2 evict-first
     #: policy, so that they leave the hot set (KV rows, fp32 dKV lines) in the L2.
     STREAM_EVICT_FIRST = False
+    #: Whether dQ goes out through shared memory in whole 128-byte lines (:meth:`store_dq`);
+    #: one query row a CTA only (the persistent flavour gathers the next row into the KV tile).
+    DQ_STAGED = False
 
     def __init__(self, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
                  scatter: bool = True, deterministic: bool = False,
@@ -591,7 +594,10 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                     cute.arch.barrier(barrier_id=BAR_KV_EMPTY, number_of_threads=THREADS)
                     self.gather(upcoming, BLOCK_N - buf, *gather_args)
                     cute.arch.cp_async_commit_group()
-            self.store_dq(t, hb, m_dq, acc_dq, thr_dq, 0)
+            staging = None
+            if cutlass.const_expr(self.DQ_STAGED):
+                staging = (mma_dq, sm["kv"], wtid)
+            self.store_dq(t, hb, m_dq, acc_dq, thr_dq, 0, staging)
         else:
             n_rows, m_lse, m_delta = persistent
             total = n_rows * n_blocks
@@ -734,7 +740,10 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                 self.dkv_block(self.block_at(b, hb, n_blocks), (b % 2) * BLOCK_N,
                                b + 1 < n_blocks, t, None, *state)
             if cutlass.const_expr(n_dq > 0):
-                self.store_dq(t, hb, m_dq, acc_dq, thr_dq, self.score_dq_tiles)
+                staging = None
+                if cutlass.const_expr(self.DQ_STAGED):
+                    staging = (mma_dq, sm["kv"], wtid)
+                self.store_dq(t, hb, m_dq, acc_dq, thr_dq, self.score_dq_tiles, staging)
         else:
             n_rows, m_q, m_do, wg_copy = persistent
             total = n_rows * n_blocks
@@ -866,21 +875,63 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
 
     @cute.jit
     def store_dq(self, t: Int32, hb: Int32, m_dq: cute.Tensor, acc_dq: list,
-                 thr_dq: cute.TiledMma, first_tile: cutlass.Constexpr) -> None:
-        """Store this warpgroup's dQ column tiles (from ``first_tile`` on) of row ``t`` as bf16."""
+                 thr_dq: cute.TiledMma, first_tile: cutlass.Constexpr,
+                 staging: tuple | None = None) -> None:
+        """Store this warpgroup's dQ column tiles (from ``first_tile`` on) of row ``t`` as bf16.
+
+        ``staging``: ``(mma_dq, s_kv, wtid)`` (:attr:`DQ_STAGED`): the tiles go through the
+        same columns of the KV tile, which after the row's last block only this warpgroup's dQ
+        MMAs read, and each warp stores the 16 rows it holds as whole 128-byte lines (8 lanes a
+        line, 16 bytes each) instead of 4 bytes per column pair, half a sector in each of 8
+        rows."""
+        if cutlass.const_expr(staging is not None):
+            self.store_dq_staged(t, hb, m_dq, acc_dq, first_tile, *staging)
+        else:
+            for i in cutlass.range_constexpr(len(acc_dq)):
+                g_dq = cute.local_tile(m_dq[t, None, None], (BLOCK_H, TILE), (hb, first_tile + i))
+                t_g = thr_dq.partition_C(g_dq)
+                if cutlass.const_expr(self.STREAM_EVICT_FIRST):
+                    policy = l2_policy("evict_first")
+                    # (e, e + 1): adjacent columns
+                    for e in cutlass.range_constexpr(0, cute.size(t_g), 2):
+                        store_bf16x2_hint((t_g.iterator + t_g.layout(e)).toint(), acc_dq[i][e],
+                                          acc_dq[i][e + 1], policy)
+                else:
+                    r_o = cute.make_fragment_like(acc_dq[i], BFloat16)
+                    r_o.store(acc_dq[i].load().to(BFloat16))
+                    for e in cutlass.range_constexpr(cute.size(r_o)):
+                        t_g[e] = r_o[e]
+
+    @cute.jit
+    def store_dq_staged(self, t: Int32, hb: Int32, m_dq: cute.Tensor, acc_dq: list,
+                        first_tile: cutlass.Constexpr, mma_dq: cute.TiledMma, s_kv: cute.Tensor,
+                        wtid: Int32) -> None:
+        """:meth:`store_dq` through shared memory: the tiles as bf16 into the KV tile's columns
+        (the MMA's C layout, swizzled like the gather's rows), then per warp its 16 rows (the
+        accumulator rows it holds, so a warp barrier orders them) read back and stored 16 bytes
+        a lane."""
+        copy_c = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(),
+                                                            BFloat16), mma_dq)
+        thr_c = copy_c.get_slice(wtid)
         for i in cutlass.range_constexpr(len(acc_dq)):
-            g_dq = cute.local_tile(m_dq[t, None, None], (BLOCK_H, TILE), (hb, first_tile + i))
-            t_g = thr_dq.partition_C(g_dq)
-            if cutlass.const_expr(self.STREAM_EVICT_FIRST):
-                policy = l2_policy("evict_first")
-                for e in cutlass.range_constexpr(0, cute.size(t_g), 2):  # (e, e + 1): adjacent columns
-                    store_bf16x2_hint((t_g.iterator + t_g.layout(e)).toint(), acc_dq[i][e],
-                                      acc_dq[i][e + 1], policy)
-            else:
-                r_o = cute.make_fragment_like(acc_dq[i], BFloat16)
-                r_o.store(acc_dq[i].load().to(BFloat16))
-                for e in cutlass.range_constexpr(cute.size(r_o)):
-                    t_g[e] = r_o[e]
+            r_o = cute.make_fragment_like(acc_dq[i], BFloat16)
+            r_o.store(acc_dq[i].load().to(BFloat16))
+            s_tile = cute.local_tile(s_kv, (BLOCK_H, TILE), (0, first_tile + i))
+            cute.copy(copy_c, thr_c.retile(r_o), thr_c.partition_D(s_tile))
+        cute.arch.sync_warp()
+        lane = wtid % 32
+        chunk = lane % (TILE // VEC)
+        s_base = s_kv.iterator.toint()
+        g_base = m_dq.iterator.toint() + (Int64(t) * Int64(m_dq.stride[0])
+                                          + Int64(hb * BLOCK_H) * Int64(m_dq.stride[1])) * 2
+        for k in cutlass.range_constexpr(4):
+            # 16 rows a warp, 4 rows of 8 lanes a pass; chunk j of row r sits at (j ^ r % 8)
+            r = (wtid // 32) * 16 + k * 4 + lane // (TILE // VEC)
+            g_row = g_base + Int64(r) * Int64(m_dq.stride[1]) * 2 + chunk * VEC * 2
+            s_row = s_base + r * 128 + ((chunk ^ (r % 8)) * 16)
+            for i in cutlass.range_constexpr(len(acc_dq)):
+                tile = first_tile + i
+                copy_16_shared_to_global(s_row + tile * BLOCK_H * 128, g_row + tile * TILE * 2)
 
 
 class SparseMlaBwdWsCompact(SparseMlaBwdWs, SparseMlaBwdMainCompact):

@@ -159,6 +159,17 @@ def cp_async_16_zfill(dst: Int32, src: Int64, src_bytes: Int32, policy: Int64 | 
 
 
 @cutlass.dsl_user_op
+def copy_16_shared_to_global(src: Int32, dst: Int64, *, loc=None, ip=None) -> None:
+    """Copy 16 bytes from shared ``src`` to global ``dst`` through registers (one
+    ``ld.shared.v4.b32`` and one ``st.global.v4.b32``): staged epilogues write whole sectors."""
+    llvm.inline_asm(None, [Int32(src).ir_value(loc=loc, ip=ip), Int64(dst).ir_value(loc=loc, ip=ip)],
+                    "{ .reg .b32 a, b, c, d; ld.shared.v4.b32 {a, b, c, d}, [$0]; "
+                    "st.global.v4.b32 [$1], {a, b, c, d}; }", "r,l",
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@cutlass.dsl_user_op
 def l2_policy(kind: cutlass.Constexpr, *, loc=None, ip=None) -> Int64:
     """A ``createpolicy`` L2 cache policy for all of a load's or store's lines, ``kind``
     ``"evict_first"`` (streamed data, read or written once) or ``"evict_last"`` (the hot set)."""
