@@ -69,6 +69,13 @@ heads) and the dQ stores with an ``L2::evict_first`` policy, and
 not its misses (``bench/results/h100_bwd_l2_policies.md``). Off, the PTX is the same as without
 them.
 
+:attr:`SparseMlaBwdWs.DQ_STAGED` (off by default) stores dQ through shared memory: each
+warpgroup writes its tiles into the same columns of the KV tile once its last dQ MMAs are done,
+then each warp stores its 16 rows as whole 128-byte lines. The default stores 4 bytes per column
+pair, half a 32-byte sector in each of 8 rows, so the L2 gets twice the frontend's write sectors
+and about four times its write requests; the L2's input crossbar is the kernel's busiest unit
+(``bench/results/h100_ncu_bwd_l2_limiter.md``).
+
 This module imports ``cutlass``: use it in a build process only.
 """
 
