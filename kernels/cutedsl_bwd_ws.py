@@ -115,6 +115,9 @@ PERSISTENT_MIN_CTAS = 264
 #: The fast mode at H128 with the second head block of a row walking its blocks from the
 #: middle of the row: the two CTAs of a row add into different dKV rows at any one time.
 STAGGERED_IMPL = "wgmma_ws_staggered"
+#: The fast mode's default order (:data:`IMPL` at H64, :data:`STAGGERED_IMPL` at H128) with
+#: dQ stored in whole 128-byte lines through shared memory (:attr:`SparseMlaBwdWs.DQ_STAGED`).
+DQ_LINES_IMPL = "wgmma_ws_dq_lines"
 #: Head counts this flavour supports (whole 64-head blocks).
 HEADS = (64, 128)
 WG_THREADS = 128
@@ -967,6 +970,25 @@ class SparseMlaBwdWsNoncompactStaggered(SparseMlaBwdWsNoncompact):
     STAGGER = True
 
 
+class DqLinesEntry:
+    """Mixin of the :data:`DQ_LINES_IMPL` entry points: dQ through shared memory, and at H128
+    the staggered order of the fast mode's default there."""
+
+    DQ_STAGED = True
+
+    def __init__(self, d_qk: int, heads: int, layout: str, **kwargs) -> None:
+        super().__init__(d_qk, heads, layout, **kwargs)
+        self.STAGGER = heads > BLOCK_H
+
+
+class SparseMlaBwdWsCompactDqLines(DqLinesEntry, SparseMlaBwdWsCompact):
+    """Entry point of :data:`DQ_LINES_IMPL`, compact layout."""
+
+
+class SparseMlaBwdWsNoncompactDqLines(DqLinesEntry, SparseMlaBwdWsNoncompact):
+    """Entry point of :data:`DQ_LINES_IMPL`, noncompact layout."""
+
+
 class SparseMlaBwdWsCompactDeterministic(DeterministicCompactEntry, SparseMlaBwdWs):
     """Entry point of the deterministic mode (stored rows), compact layout."""
 
@@ -1009,12 +1031,15 @@ def compile_bwd_ws(arch: str, d_qk: int, heads: int, layout: str, atomic_width: 
     :func:`~dsa_aot.kernels.cutedsl_bwd_main.fake_arguments`) it was compiled with. ``impl`` is
     the build's flavour name, this module's (:data:`IMPL`, :data:`PERSISTENT_IMPL` for several
     query rows a CTA, :data:`STAGGERED_IMPL` for H128's head blocks half a row apart, or
-    :data:`FIXED_IMPL` for the fixed-point deterministic mode)."""
+    :data:`DQ_LINES_IMPL` for dQ stored in whole lines, or :data:`FIXED_IMPL` for the
+    fixed-point deterministic mode)."""
     entries = {(False, "compact"): SparseMlaBwdWsCompact,
                (False, "noncompact"): SparseMlaBwdWsNoncompact,
                (False, "noncompact", "persistent"): SparseMlaBwdWsNoncompactPersistent,
                (False, "compact", "staggered"): SparseMlaBwdWsCompactStaggered,
                (False, "noncompact", "staggered"): SparseMlaBwdWsNoncompactStaggered,
+               (False, "compact", "dq_lines"): SparseMlaBwdWsCompactDqLines,
+               (False, "noncompact", "dq_lines"): SparseMlaBwdWsNoncompactDqLines,
                (True, "compact"): SparseMlaBwdWsCompactDeterministic,
                (True, "noncompact"): SparseMlaBwdWsNoncompactDeterministic,
                (True, "compact", "staggered"): SparseMlaBwdWsCompactDeterministicStaggered,
@@ -1025,8 +1050,9 @@ def compile_bwd_ws(arch: str, d_qk: int, heads: int, layout: str, atomic_width: 
                            scatter, impl, extra_options, deterministic)
 
 
-__all__ = ["FIXED_IMPL", "HEADS", "IMPL", "PERSISTENT_IMPL", "STAGGERED_IMPL", "SparseMlaBwdWs",
-           "SparseMlaBwdWsCompact", "SparseMlaBwdWsCompactStaggered",
+__all__ = ["DQ_LINES_IMPL", "FIXED_IMPL", "HEADS", "IMPL", "PERSISTENT_IMPL", "STAGGERED_IMPL",
+           "SparseMlaBwdWs", "SparseMlaBwdWsCompact", "SparseMlaBwdWsCompactStaggered",
+           "SparseMlaBwdWsCompactDqLines", "SparseMlaBwdWsNoncompactDqLines",
            "SparseMlaBwdWsNoncompactPersistent", "SparseMlaBwdWsNoncompactStaggered",
            "SparseMlaBwdWsCompactDeterministic", "SparseMlaBwdWsNoncompact",
            "SparseMlaBwdWsNoncompactDeterministic", "SparseMlaBwdWsCompactDeterministicStaggered",

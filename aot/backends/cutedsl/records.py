@@ -139,7 +139,8 @@ class CuteExportRecord(BaseModel):
     impl: FwdImpl | BwdMainImpl | None = Field(
         None, description="fwd: mma.sync (any arch), wgmma, wgmma_pipe, wgmma_ws or wgmma_split "
         "(sm_90a); bwd_main: mma, wgmma, wgmma_slot_major, wgmma_ws, wgmma_ws_slot_major, "
-        "wgmma_ws_staggered, wgmma_ws_persistent, wgmma_ws_cols or a _fixed mode (sm_90a)")
+        "wgmma_ws_staggered, wgmma_ws_persistent, wgmma_ws_cols, wgmma_ws_dq_lines or a _fixed "
+        "mode (sm_90a)")
     deterministic: bool = Field(False, description="backward: the deterministic variant (the "
                                 "main kernel stores per-slot dKV rows, dkv_rows, that the "
                                 "postprocess sums in the order of row_order / row_offsets; "

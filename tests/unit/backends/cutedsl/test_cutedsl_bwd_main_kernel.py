@@ -136,7 +136,8 @@ def test_requests_are_validated() -> None:
     with pytest.raises(ValueError, match="bwd_main has impl mma, wgmma, wgmma_slot_major, "
                                          "wgmma_ws, wgmma_ws_slot_major, wgmma_ws_fixed, "
                                          "wgmma_ws_slot_major_fixed, wgmma_ws_persistent, "
-                                         "wgmma_ws_staggered, wgmma_ws_cols, not wgmma_split"):
+                                         "wgmma_ws_staggered, wgmma_ws_cols, wgmma_ws_dq_lines, "
+                                         "not wgmma_split"):
         BuildRequest(kernel="bwd_main", arch="sm_90a", d_qk=576, heads=64, layout="compact",
                      impl="wgmma_split")
     with pytest.raises(ValueError, match="do not apply to kernel=bwd_main"):
@@ -222,11 +223,13 @@ def test_full_sweep_builds(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 #: MMA flavours checked on the GPU (the specs' ``tile.flavour``); wgmma needs sm_90a.
-IMPLS = ("mma", "wgmma", "wgmma_slot_major", "wgmma_ws", "wgmma_ws_slot_major", "wgmma_ws_cols")
+IMPLS = ("mma", "wgmma", "wgmma_slot_major", "wgmma_ws", "wgmma_ws_slot_major", "wgmma_ws_cols",
+         "wgmma_ws_dq_lines")
 #: Head counts of the flavours that take only some (the others take every H).
 SLOT_MAJOR_HEADS = (16, 32)
 FLAVOUR_HEADS = {"wgmma_slot_major": SLOT_MAJOR_HEADS, "wgmma_ws": (64, 128),
-                 "wgmma_ws_slot_major": SLOT_MAJOR_HEADS, "wgmma_ws_cols": (128,)}
+                 "wgmma_ws_slot_major": SLOT_MAJOR_HEADS, "wgmma_ws_cols": (128,),
+                 "wgmma_ws_dq_lines": (64, 128)}
 #: ``DSA_AOT_GPU_TEST_IMPLS=wgmma_ws,...`` builds (and tests) only those flavours: each build
 #: costs GPU-machine time, and ``-k`` cannot narrow a module fixture.
 _GPU_IMPLS = tuple(i for i in os.environ.get("DSA_AOT_GPU_TEST_IMPLS", ",".join(IMPLS)).split(",")
@@ -451,6 +454,21 @@ def test_gpu_sink_plus_inf_gives_zero(gpu_backward: dict, impl: str) -> None:
     full_dq, full_dkv, d_sink = _run_backward(kernel, inp)
     assert torch.count_nonzero(full_dq).item() == 0 and torch.count_nonzero(full_dkv).item() == 0
     assert torch.isfinite(d_sink).all()
+
+
+@pytest.mark.gpu
+@_needs_cuda
+@pytest.mark.parametrize("layout", ("compact", "noncompact"))
+def test_gpu_dq_lines_gives_the_default_dq_bit_for_bit(gpu_backward: dict, layout: str) -> None:
+    """``wgmma_ws_dq_lines`` changes only how dQ leaves the CTA: at H64 (the same block order as
+    ``wgmma_ws``) its dq equals the default's bit for bit, on rows with padding too."""
+    lines = _loaded(gpu_backward, 576, 64, layout, "wgmma_ws_dq_lines")
+    default = _loaded(gpu_backward, 576, 64, layout, "wgmma_ws")
+    inp = _case_inputs(33, 4096, 64, 576, 320, layout, seed=5)
+    dq_lines, _ = _run_main(lines.main, inp)
+    dq_default, _ = _run_main(default.main, inp)
+    assert not dq_lines.isnan().any()
+    assert torch.equal(dq_lines, dq_default)
 
 
 @pytest.mark.gpu

@@ -455,8 +455,8 @@ def test_l2_policies_reach_the_ptx_only_when_switched_on(tmp_path: Path, monkeyp
 _DQ_STAGED_BUILD = """
 import glob, os, sys
 from dsa_aot.kernels import cutedsl_bwd_ws as k
-k.SparseMlaBwdWs.DQ_STAGED = sys.argv[1] == "on"
-k.compile_bwd_ws("sm_90a", 576, 64, "noncompact")
+k.compile_bwd_ws("sm_90a", 576, int(sys.argv[2]), "noncompact",
+                 impl=k.DQ_LINES_IMPL if sys.argv[1] == "on" else k.IMPL)
 ptx = [p for p in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")) if "bwd_ws" in p]
 text = open(ptx[0]).read()
 print(text.count("ld.shared.v4.b32"), text.count("st.global.v4.b32"), text.count("st.global.b32"))
@@ -464,11 +464,12 @@ print(text.count("ld.shared.v4.b32"), text.count("st.global.v4.b32"), text.count
 
 
 @needs_cute_dsl
-@pytest.mark.parametrize("switch", ["on", "off"])
-def test_staged_dq_stores_whole_lines_only_when_switched_on(tmp_path: Path, monkeypatch,
-                                                            switch: str) -> None:
-    """``DQ_STAGED`` stores dQ 16 bytes a lane after a round through shared memory (D576: 9 column
-    tiles of 64 x 64, 4 rows a lane each); off (the default), 4 bytes per column pair."""
+@pytest.mark.parametrize(("switch", "heads"), [("on", 64), ("off", 64), ("on", 128)])
+def test_dq_lines_flavour_stores_whole_lines(tmp_path: Path, monkeypatch, switch: str,
+                                             heads: int) -> None:
+    """``impl=wgmma_ws_dq_lines`` (``DQ_STAGED``) stores dQ 16 bytes a lane after a round through
+    shared memory (D576: 9 column tiles of 64 x 64, 4 rows a lane each); the default flavour
+    stores 4 bytes per column pair."""
     monkeypatch.setenv("CUTE_DSL_KEEP_PTX", "1")
     monkeypatch.setenv("CUTE_DSL_DUMP_DIR", str(tmp_path))
     script = tmp_path / "dq.py"
@@ -476,8 +477,9 @@ def test_staged_dq_stores_whole_lines_only_when_switched_on(tmp_path: Path, monk
     import os
     import subprocess
     import sys
-    proc = subprocess.run([sys.executable, str(script), switch], capture_output=True, text=True,
-                          env=dict(os.environ, CUTE_DSL_ARCH="sm_90a"), timeout=600, check=False)
+    proc = subprocess.run([sys.executable, str(script), switch, str(heads)], capture_output=True,
+                          text=True, env=dict(os.environ, CUTE_DSL_ARCH="sm_90a"), timeout=600,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loads, wide_stores, narrow_stores = map(int, proc.stdout.split())
     tiles, values_a_thread = 576 // 64, 64 * 64 // 128
