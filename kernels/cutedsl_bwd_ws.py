@@ -99,7 +99,8 @@ from dsa_aot.kernels.cutedsl_fixed_point import (add_fixed, chunk_max, fixed_sca
                                                  fold_max, launch_skipped)
 from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, LAYOUTS, VEC,
                                             copy_16_shared_to_global, gather_row_zfill, l2_policy,
-                                            store_bf16x2_hint, wg_acc_as_a, wg_rows_cols)
+                                            store_bf16x2_hint, sw128_offset, wg_acc_as_a,
+                                            wg_rows_cols)
 
 #: The ``impl`` name of this flavour (the build's ``tile.flavour``), and of its deterministic
 #: mode with fixed-point adds (the default deterministic mode stores rows).
@@ -604,10 +605,7 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                     cute.arch.barrier(barrier_id=BAR_KV_EMPTY, number_of_threads=THREADS)
                     self.gather(upcoming, BLOCK_N - buf, *gather_args)
                     cute.arch.cp_async_commit_group()
-            staging = None
-            if cutlass.const_expr(self.DQ_STAGED):
-                staging = (mma_dq, sm["kv"], wtid)
-            self.store_dq(t, hb, m_dq, acc_dq, thr_dq, 0, staging)
+            self.store_dq(t, hb, m_dq, acc_dq, thr_dq, 0, (mma_dq, sm["kv"], wtid))
         else:
             n_rows, m_lse, m_delta = persistent
             total = n_rows * n_blocks
@@ -750,10 +748,8 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                 self.dkv_block(self.block_at(b, hb, n_blocks), (b % 2) * BLOCK_N,
                                b + 1 < n_blocks, t, None, *state)
             if cutlass.const_expr(n_dq > 0):
-                staging = None
-                if cutlass.const_expr(self.DQ_STAGED):
-                    staging = (mma_dq, sm["kv"], wtid)
-                self.store_dq(t, hb, m_dq, acc_dq, thr_dq, self.score_dq_tiles, staging)
+                self.store_dq(t, hb, m_dq, acc_dq, thr_dq, self.score_dq_tiles,
+                              (mma_dq, sm["kv"], wtid))
         else:
             n_rows, m_q, m_do, wg_copy = persistent
             total = n_rows * n_blocks
@@ -889,12 +885,12 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
                  staging: tuple | None = None) -> None:
         """Store this warpgroup's dQ column tiles (from ``first_tile`` on) of row ``t`` as bf16.
 
-        ``staging``: ``(mma_dq, s_kv, wtid)`` (:attr:`DQ_STAGED`): the tiles go through the
-        same columns of the KV tile, which after the row's last block only this warpgroup's dQ
-        MMAs read, and each warp stores the 16 rows it holds as whole 128-byte lines (8 lanes a
-        line, 16 bytes each) instead of 4 bytes per column pair, half a sector in each of 8
-        rows."""
-        if cutlass.const_expr(staging is not None):
+        ``staging``: ``(mma_dq, s_kv, wtid)``, given where the row is the CTA's last (the KV
+        tile is then read only by each warpgroup's own dQ MMAs); with :attr:`DQ_STAGED` the
+        tiles go through the same columns of the KV tile and each warp stores the 16 rows it
+        holds as whole 128-byte lines (8 lanes a line, 16 bytes each) instead of 4 bytes per
+        column pair, half a sector in each of 8 rows."""
+        if cutlass.const_expr(self.DQ_STAGED and staging is not None):
             self.store_dq_staged(t, hb, m_dq, acc_dq, first_tile, *staging)
         else:
             for i in cutlass.range_constexpr(len(acc_dq)):
@@ -935,10 +931,10 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
         g_base = m_dq.iterator.toint() + (Int64(t) * Int64(m_dq.stride[0])
                                           + Int64(hb * BLOCK_H) * Int64(m_dq.stride[1])) * 2
         for k in cutlass.range_constexpr(4):
-            # 16 rows a warp, 4 rows of 8 lanes a pass; chunk j of row r sits at (j ^ r % 8)
+            # 16 rows a warp, 4 rows of 8 lanes a pass
             r = (wtid // 32) * 16 + k * 4 + lane // (TILE // VEC)
             g_row = g_base + Int64(r) * Int64(m_dq.stride[1]) * 2 + chunk * VEC * 2
-            s_row = s_base + r * 128 + ((chunk ^ (r % 8)) * 16)
+            s_row = s_base + sw128_offset(r, chunk)
             for i in cutlass.range_constexpr(len(acc_dq)):
                 tile = first_tile + i
                 copy_16_shared_to_global(s_row + tile * BLOCK_H * 128, g_row + tile * TILE * 2)

@@ -158,6 +158,12 @@ def cp_async_16_zfill(dst: Int32, src: Int64, src_bytes: Int32, policy: Int64 | 
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
+def sw128_offset(row, chunk):
+    """Byte offset of 16-byte ``chunk`` of ``row`` in a K-major tile of 128-byte swizzled rows
+    (8 rows x 64 bf16 atoms): the chunks of a row are permuted by ``row % 8``."""
+    return row * 128 + ((chunk ^ (row % 8)) * 16)
+
+
 @cutlass.dsl_user_op
 def copy_16_shared_to_global(src: Int32, dst: Int64, *, loc=None, ip=None) -> None:
     """Copy 16 bytes from shared ``src`` to global ``dst`` through registers (one
@@ -212,7 +218,7 @@ def gather_row_zfill(idx: Int32, s_kv: Int32, j: Int32, row: Int32, kv_base: Int
         src_row = idx
         nbytes = Int32(16)
     src = kv_base + Int64(src_row) * row_bytes + j * (VEC * 2)
-    dst = s_tile_base + row * 128 + ((j ^ (row % 8)) * 16)
+    dst = s_tile_base + sw128_offset(row, j)
     for c in cutlass.range_constexpr(lo, hi):
         cp_async_16_zfill(dst + c * (tile_rows * 128), src + (src_tile_offset + c) * 128, nbytes,
                           policy)
