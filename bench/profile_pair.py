@@ -16,7 +16,8 @@ settings apply). ``--deterministic stored_rows|fixed_point`` profiles our determ
 in that mode instead of the fast one; a fixed-point call with S_q up to
 ``dsa_aot.fixed_point.GROUP_ROWS`` launches the main kernel three times (the measuring sample,
 the group, its re-launch that returns at once unless needed), so ``--kernel-name
-regex:cutedsl_bwd_ws --launch-skip 1 --launch-count 1`` selects the group's launch.
+regex:cutedsl_bwd_ws --launch-skip 1 --launch-count 1`` selects the group's launch. ``--variant``
+profiles a non-default backward tile (a flavour of ``bench/variants.toml``) in place of ours.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sparse_mla import peer_bwd, peer_fwd  # noqa: E402
+from bench_sparse_mla import peer_bwd, peer_fwd, variant_kernel  # noqa: E402
 from common import make_inputs  # noqa: E402
 
 import dsa_aot  # noqa: E402
@@ -44,6 +45,9 @@ def main() -> int:
     ap.add_argument("--deterministic", choices=settings.DETERMINISTIC_MODES,
                     help="bwd: our deterministic backward in this mode instead of the fast one")
     ap.add_argument("--no-peer", action="store_true", help="profile our kernel only")
+    ap.add_argument("--variant", metavar="OP:BACKEND:FIELD=VALUE,...",
+                    help="profile this non-default tile (as bench_sparse_mla.py --variant) instead of the "
+                    "spec the loader picks, e.g. bwd:cutedsl:flavour=wgmma_ws_dq_lines")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("profile_pair.py needs a CUDA GPU", file=sys.stderr)
@@ -66,7 +70,16 @@ def main() -> int:
             with settings.scope(deterministic_mode=mode):
                 return dsa_aot.sparse_mla_bwd(x["q"], x["kv"], out, x["dout"], lse, x["topk_idxs"],
                                               attn_sink=x["attn_sink"], deterministic=det)
-        calls = [ours]
+        if args.variant:
+            found = variant_kernel(args.variant, "bwd", h, d, x["q"].device.index or 0)
+            if found is None:
+                print(f"--variant {args.variant}: no kernel for h{h} d{d}", file=sys.stderr)
+                return 2
+            kernel = found[1]
+            calls = [lambda: kernel(x["q"], x["kv"], out, x["dout"], lse, x["topk_idxs"], None, x["attn_sink"],
+                                    scale)]
+        else:
+            calls = [ours]
         if cudnn is not None:
             calls.append(lambda: cudnn(x["q"], x["kv"], out, x["dout"], lse, x["attn_sink"], x["topk_idxs"]))
     for call in calls:
