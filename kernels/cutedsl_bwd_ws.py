@@ -967,8 +967,9 @@ class SparseMlaBwdWsNoncompactStaggered(SparseMlaBwdWsNoncompact):
 
 
 class DqLinesEntry:
-    """Mixin of the :data:`DQ_LINES_IMPL` entry points: dQ through shared memory, and at H128
-    the staggered order of the fast mode's default there."""
+    """Mixin of the :data:`DQ_LINES_IMPL` entry points (here and in
+    :mod:`.cutedsl_bwd_ws_slot_major`): dQ through shared memory, and at H128 the staggered
+    order of the fast mode's default there."""
 
     DQ_STAGED = True
 

@@ -39,7 +39,10 @@ Shared memory: :mod:`.cutedsl_bwd_ws`'s struct for H heads (``q`` [H, d], ``dout
 one 64-slot KV tile, ``P`` and ``dS`` [H, 64], indices, ``lse`` and ``delta``: 151,552 bytes of
 tiles at H 32 D 576), one CTA of two warpgroups per SM (registers: 198-236 a thread). ``dQ^T``
 (``D x H`` fp32) stays in warpgroup 0's registers over the row and is stored as bf16 at the end
-(0 for a row without a valid slot). Warpgroup 1 is
+(0 for a row without a valid slot); in ``impl="wgmma_ws_dq_lines"``
+(:attr:`~dsa_aot.kernels.cutedsl_bwd_ws.SparseMlaBwdWs.DQ_STAGED`, :func:`compile_bwd_dq_lines`)
+it goes out through the free KV tile, head ``h`` into KV row ``h``, then 16 bytes a lane in
+whole 128-byte lines instead of 2 bytes an element. Warpgroup 1 is
 :meth:`~dsa_aot.kernels.cutedsl_bwd_ws.SparseMlaBwdWs.dkv_warpgroup` with no ``dQ`` tiles.
 
 Deterministic mode (``deterministic=True``): each valid slot's dKV row is stored (bf16) into
@@ -61,7 +64,7 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import hopper_helpers as sm90_utils
 
@@ -78,7 +81,8 @@ from dsa_aot.kernels.cutedsl_bwd_slot_major import (slot_major_tiled_ops,
 from dsa_aot.kernels.cutedsl_bwd_ws import (BAR_PDS_EMPTY, BAR_PDS_FULL, BAR_SCORE, BLOCK_N,
                                             LAYOUT_ORDER, THREADS, TILE, WG_THREADS,
                                             SparseMlaBwdWs)
-from dsa_aot.kernels.cutedsl_common import D_QK_CHOICES, LAYOUTS, VEC, wg_rows_cols
+from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, LAYOUTS, VEC, copy_16_shared_to_global,
+                                            sw128_offset, wg_rows_cols)
 
 #: The ``impl`` name of this flavour (the build's ``tile.flavour``).
 IMPL = "wgmma_ws_slot_major"
@@ -266,13 +270,48 @@ class SparseMlaBwdWsSlotMajor(SparseMlaBwdWs):
                 cute.arch.cp_async_commit_group()
 
         # ---- dq[t, h, d] = dQ^T[d, h] in bf16 -------------------------------------------------
-        c_dq = thr_dq.partition_C(cute.make_identity_tensor((TILE, heads)))
-        g_dq = m_dq[t, None, None]  # (h, d)
-        for i in cutlass.range_constexpr(n_tiles):
+        if cutlass.const_expr(self.DQ_STAGED):
+            self.store_dq_t_staged(t, m_dq, acc_dq, mma_dq, sm, wtid)
+        else:
+            c_dq = thr_dq.partition_C(cute.make_identity_tensor((TILE, heads)))
+            g_dq = m_dq[t, None, None]  # (h, d)
+            for i in cutlass.range_constexpr(n_tiles):
+                r_o = cute.make_fragment_like(acc_dq[i], BFloat16)
+                r_o.store(acc_dq[i].load().to(BFloat16))
+                for e in cutlass.range_constexpr(cute.size(r_o)):
+                    g_dq[c_dq[e][1], i * TILE + c_dq[e][0]] = r_o[e]
+
+    @cute.jit
+    def store_dq_t_staged(self, t: Int32, m_dq: cute.Tensor, acc_dq: list,
+                          mma_dq: cute.TiledMma, sm: dict, wtid: Int32) -> None:
+        """Row ``t``'s dq through the KV tile (:attr:`DQ_STAGED`): each ``dQ^T`` tile as bf16
+        into the tile's MN-major view, so that head ``h`` lands in KV row ``h`` (the default
+        writes 2 bytes an element, a quarter sector in each of 4 heads a store); then each row
+        read back and stored 16 bytes a lane, 8 lanes a 128-byte line. The KV tile is free: its
+        only reader is this warpgroup's ``dQ^T`` MMAs, done once every warp has passed the
+        first barrier."""
+        heads = self.heads
+        copy_c = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(),
+                                                            BFloat16), mma_dq)
+        thr_c = copy_c.get_slice(wtid)
+        cute.arch.barrier(barrier_id=BAR_SCORE, number_of_threads=WG_THREADS)
+        for i in cutlass.range_constexpr(len(acc_dq)):
             r_o = cute.make_fragment_like(acc_dq[i], BFloat16)
             r_o.store(acc_dq[i].load().to(BFloat16))
-            for e in cutlass.range_constexpr(cute.size(r_o)):
-                g_dq[c_dq[e][1], i * TILE + c_dq[e][0]] = r_o[e]
+            s_tile = cute.local_tile(sm["kt"], (TILE, heads), (i, 0))  # (d, h) of KV rows 0..H
+            cute.copy(copy_c, thr_c.retile(r_o), thr_c.partition_D(s_tile))
+        cute.arch.barrier(barrier_id=BAR_SCORE, number_of_threads=WG_THREADS)
+        chunk = wtid % (TILE // VEC)
+        s_base = sm["kv"].iterator.toint()
+        g_base = m_dq.iterator.toint() + Int64(t) * Int64(m_dq.stride[0]) * 2 + chunk * VEC * 2
+        rows_a_pass = WG_THREADS // (TILE // VEC)
+        for p in cutlass.range_constexpr(heads // rows_a_pass):
+            r = p * rows_a_pass + wtid // (TILE // VEC)
+            g_row = g_base + Int64(r) * Int64(m_dq.stride[1]) * 2
+            s_row = s_base + sw128_offset(r, chunk)
+            for i in cutlass.range_constexpr(len(acc_dq)):
+                # column tile i of the KV tile: BLOCK_N rows of 128 bytes
+                copy_16_shared_to_global(s_row + i * BLOCK_N * 128, g_row + i * TILE * 2)
 
 
 class SparseMlaBwdWsSlotMajorCompact(SparseMlaBwdWsSlotMajor, SparseMlaBwdMainCompact):
@@ -302,6 +341,14 @@ class SparseMlaBwdWsSlotMajorNoncompactFixedPoint(FixedPointNoncompactEntry,
     """Entry point of the fixed-point deterministic mode, noncompact layout."""
 
 
+class SparseMlaBwdWsSlotMajorCompactDqLines(ws.DqLinesEntry, SparseMlaBwdWsSlotMajorCompact):
+    """Entry point of ``impl=wgmma_ws_dq_lines`` at H16/H32, compact layout."""
+
+
+class SparseMlaBwdWsSlotMajorNoncompactDqLines(ws.DqLinesEntry, SparseMlaBwdWsSlotMajorNoncompact):
+    """Entry point of ``impl=wgmma_ws_dq_lines`` at H16/H32, noncompact layout."""
+
+
 def compile_bwd_ws_slot_major(arch: str, d_qk: int, heads: int, layout: str,
                               atomic_width: int = 4, scatter: bool = True, impl: str = IMPL,
                               extra_options: str = "",
@@ -321,7 +368,27 @@ def compile_bwd_ws_slot_major(arch: str, d_qk: int, heads: int, layout: str,
                            scatter, impl, extra_options, deterministic)
 
 
+def compile_bwd_dq_lines(arch: str, d_qk: int, heads: int, layout: str, atomic_width: int = 4,
+                         scatter: bool = True, impl: str = ws.DQ_LINES_IMPL, extra_options: str = "",
+                         deterministic: bool = False) -> tuple[object, dict[str, object]]:
+    """``cute.compile`` ``impl=wgmma_ws_dq_lines`` (:data:`~.cutedsl_bwd_ws.DQ_LINES_IMPL`) at
+    any head count: the fast mode's default kernel of that count (this module's at H16/H32,
+    :mod:`.cutedsl_bwd_ws`'s at H64/H128, staggered at H128) with dQ stored through the KV tile
+    in whole 128-byte lines. Returns what :func:`compile_bwd_ws_slot_major` returns."""
+    if heads in ws.HEADS:
+        return ws.compile_bwd_ws(arch, d_qk, heads, layout, atomic_width, scatter, impl,
+                                 extra_options, deterministic)
+    if deterministic:
+        raise ValueError(f"impl={impl!r} is a fast mode: pass deterministic=False (the "
+                         f"deterministic modes store no dQ differently)")
+    entries = {(False, "compact"): SparseMlaBwdWsSlotMajorCompactDqLines,
+               (False, "noncompact"): SparseMlaBwdWsSlotMajorNoncompactDqLines}
+    return compile_flavour(entries, ws.DQ_LINES_IMPL, check_params, arch, d_qk, heads, layout,
+                           atomic_width, scatter, impl, extra_options, deterministic)
+
+
 __all__ = ["FIXED_IMPL", "HEADS", "IMPL", "SparseMlaBwdWsSlotMajor", "SparseMlaBwdWsSlotMajorCompact",
            "SparseMlaBwdWsSlotMajorCompactDeterministic", "SparseMlaBwdWsSlotMajorNoncompact",
            "SparseMlaBwdWsSlotMajorNoncompactDeterministic", "can_implement", "check_params",
-           "compile_bwd_ws_slot_major", "ws_slot_major_smem_layouts"]
+           "SparseMlaBwdWsSlotMajorCompactDqLines", "SparseMlaBwdWsSlotMajorNoncompactDqLines",
+           "compile_bwd_dq_lines", "compile_bwd_ws_slot_major", "ws_slot_major_smem_layouts"]

@@ -122,7 +122,6 @@ class BuildRequest(BaseModel):
             if self.impl in BWD_MAIN_HEADS and self.heads not in BWD_MAIN_HEADS[self.impl]:
                 other = {"wgmma_ws": "wgmma_ws_slot_major",
                          "wgmma_ws_persistent": "wgmma_ws_slot_major",
-                         "wgmma_ws_dq_lines": "wgmma_ws_slot_major",
                          "wgmma_ws_staggered": "wgmma_ws",
                          "wgmma_ws_cols": "wgmma_ws",
                          "wgmma_ws_slot_major": "wgmma_ws"}.get(self.impl, "wgmma")

@@ -21,8 +21,9 @@ FwdImpl = Literal["mma", "wgmma", "wgmma_pipe", "wgmma_ws", "wgmma_split"]
 #: ``wgmma_ws`` order at H128 with a row's second head block starting mid-row (both modes).
 #: ``wgmma_ws_cols``: H128 fast mode, a row's two CTAs as a cluster splitting the columns (each
 #: dKV value added once; the score partials exchanged over distributed shared memory).
-#: ``wgmma_ws_dq_lines``: the fast mode's default at H64/H128 (``wgmma_ws``, staggered at H128)
-#: with dQ stored through shared memory in whole 128-byte lines.
+#: ``wgmma_ws_dq_lines``: the fast mode's default of each head count (``wgmma_ws_slot_major`` at
+#: H16/H32, ``wgmma_ws`` at H64, staggered at H128) with dQ stored through shared memory in
+#: whole 128-byte lines.
 BwdMainImpl = Literal["mma", "wgmma", "wgmma_slot_major", "wgmma_ws", "wgmma_ws_slot_major",
                       "wgmma_ws_fixed", "wgmma_ws_slot_major_fixed", "wgmma_ws_persistent",
                       "wgmma_ws_staggered", "wgmma_ws_cols", "wgmma_ws_dq_lines"]
@@ -40,8 +41,7 @@ BWD_MAIN_HEADS: dict[str, tuple[int, ...]] = {"wgmma_slot_major": BWD_SLOT_MAJOR
                                               "wgmma_ws_slot_major_fixed": BWD_SLOT_MAJOR_HEADS,
                                               "wgmma_ws_persistent": BWD_WS_HEADS,
                                               "wgmma_ws_staggered": (128,),
-                                              "wgmma_ws_cols": (128,),
-                                              "wgmma_ws_dq_lines": BWD_WS_HEADS}
+                                              "wgmma_ws_cols": (128,)}
 #: The postprocess flavour of the fixed-point main flavours: their guess, check and fold steps.
 FIXED_POINT_POST = "fixed_point"
 #: Kernel module and compile function of each stage (``f(arch, **params)`` returns ``(compiled,
@@ -69,7 +69,8 @@ FLAVOUR_KERNELS: dict[tuple[str, str], tuple[str, str]] = {
     ("bwd_main", "wgmma_ws_fixed"): ("dsa_aot.kernels.cutedsl_bwd_ws", "compile_bwd_ws"),
     ("bwd_main", "wgmma_ws_persistent"): ("dsa_aot.kernels.cutedsl_bwd_ws", "compile_bwd_ws"),
     ("bwd_main", "wgmma_ws_staggered"): ("dsa_aot.kernels.cutedsl_bwd_ws", "compile_bwd_ws"),
-    ("bwd_main", "wgmma_ws_dq_lines"): ("dsa_aot.kernels.cutedsl_bwd_ws", "compile_bwd_ws"),
+    ("bwd_main", "wgmma_ws_dq_lines"): ("dsa_aot.kernels.cutedsl_bwd_ws_slot_major",
+                                        "compile_bwd_dq_lines"),
     ("bwd_main", "wgmma_ws_cols"): ("dsa_aot.kernels.cutedsl_bwd_ws_cols", "compile_bwd_ws_cols"),
     ("bwd_main", "wgmma_ws_slot_major_fixed"): ("dsa_aot.kernels.cutedsl_bwd_ws_slot_major",
                                                 "compile_bwd_ws_slot_major"),

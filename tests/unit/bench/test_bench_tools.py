@@ -176,9 +176,9 @@ def test_environment_names_the_installed_dsl_flavour():
 def test_variant_rows_only_where_the_flavour_takes_the_shape(bench, capsys):
     """``--variant`` (bench_sparse_mla.py, profile_pair.py): no row for another op, and none,
     said on stderr, at a head count the flavour cannot build (before anything loads or builds)."""
-    text = "bwd:cutedsl:flavour=wgmma_ws_dq_lines"
-    assert bench.variant_kernel(text, "fwd", 64, 576, 0) is None
+    text = "bwd:cutedsl:flavour=wgmma_ws_cols"  # H128 only
+    assert bench.variant_kernel(text, "fwd", 128, 576, 0) is None
     assert capsys.readouterr().err == ""
-    assert bench.variant_kernel(text, "bwd", 16, 576, 0) is None
+    assert bench.variant_kernel(text, "bwd", 64, 576, 0) is None
     err = capsys.readouterr().err
-    assert "no row at h16 d576" in err and "wgmma_ws_dq_lines" in err
+    assert "no row at h64 d576" in err and "wgmma_ws_cols" in err

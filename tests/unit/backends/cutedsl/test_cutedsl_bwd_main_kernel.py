@@ -228,8 +228,7 @@ IMPLS = ("mma", "wgmma", "wgmma_slot_major", "wgmma_ws", "wgmma_ws_slot_major", 
 #: Head counts of the flavours that take only some (the others take every H).
 SLOT_MAJOR_HEADS = (16, 32)
 FLAVOUR_HEADS = {"wgmma_slot_major": SLOT_MAJOR_HEADS, "wgmma_ws": (64, 128),
-                 "wgmma_ws_slot_major": SLOT_MAJOR_HEADS, "wgmma_ws_cols": (128,),
-                 "wgmma_ws_dq_lines": (64, 128)}
+                 "wgmma_ws_slot_major": SLOT_MAJOR_HEADS, "wgmma_ws_cols": (128,)}
 #: ``DSA_AOT_GPU_TEST_IMPLS=wgmma_ws,...`` builds (and tests) only those flavours: each build
 #: costs GPU-machine time, and ``-k`` cannot narrow a module fixture.
 _GPU_IMPLS = tuple(i for i in os.environ.get("DSA_AOT_GPU_TEST_IMPLS", ",".join(IMPLS)).split(",")
@@ -353,7 +352,8 @@ def gpu_backward(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, in
     if why:
         pytest.skip(f"cannot build: {why}")
     shapes = {(d_qk, heads, layout) for layout, heads, d_qk, *_ in _CASES}
-    shapes |= {(576, 64, "compact"), (576, 64, "noncompact")}
+    shapes |= {(576, 64, "compact"), (576, 64, "noncompact"), (576, 16, "compact"),
+               (512, 32, "compact")}
     wanted = [(*shape, impl) for shape in sorted(shapes) for impl in _GPU_IMPLS
               if (impl == "mma" or arch == "sm_90a")
               and shape[1] in FLAVOUR_HEADS.get(impl, (shape[1],))]
@@ -459,12 +459,17 @@ def test_gpu_sink_plus_inf_gives_zero(gpu_backward: dict, impl: str) -> None:
 @pytest.mark.gpu
 @_needs_cuda
 @pytest.mark.parametrize("layout", ("compact", "noncompact"))
-def test_gpu_dq_lines_gives_the_default_dq_bit_for_bit(gpu_backward: dict, layout: str) -> None:
-    """``wgmma_ws_dq_lines`` changes only how dQ leaves the CTA: at H64 (the same block order as
-    ``wgmma_ws``) its dq equals the default's bit for bit, on rows with padding too."""
-    lines = _loaded(gpu_backward, 576, 64, layout, "wgmma_ws_dq_lines")
-    default = _loaded(gpu_backward, 576, 64, layout, "wgmma_ws")
-    inp = _case_inputs(33, 4096, 64, 576, 320, layout, seed=5)
+@pytest.mark.parametrize(("heads", "d_qk", "default_impl"), ((64, 576, "wgmma_ws"),
+                                                            (16, 576, "wgmma_ws_slot_major"),
+                                                            (32, 512, "wgmma_ws_slot_major")))
+def test_gpu_dq_lines_gives_the_default_dq_bit_for_bit(gpu_backward: dict, layout: str, heads: int,
+                                                       d_qk: int, default_impl: str) -> None:
+    """``wgmma_ws_dq_lines`` changes only how dQ leaves the CTA: where its block order is the
+    default's (H16/H32: ``wgmma_ws_slot_major``, H64: ``wgmma_ws``) its dq equals the default's
+    bit for bit, on rows with padding and rows without a valid slot too."""
+    lines = _loaded(gpu_backward, d_qk, heads, layout, "wgmma_ws_dq_lines")
+    default = _loaded(gpu_backward, d_qk, heads, layout, default_impl)
+    inp = _case_inputs(33, 4096, heads, d_qk, 320, layout, seed=5, all_invalid_rows=2)
     dq_lines, _ = _run_main(lines.main, inp)
     dq_default, _ = _run_main(default.main, inp)
     assert not dq_lines.isnan().any()

@@ -454,22 +454,30 @@ def test_l2_policies_reach_the_ptx_only_when_switched_on(tmp_path: Path, monkeyp
 
 _DQ_STAGED_BUILD = """
 import glob, os, sys
-from dsa_aot.kernels import cutedsl_bwd_ws as k
-k.compile_bwd_ws("sm_90a", 576, int(sys.argv[2]), "noncompact",
-                 impl=k.DQ_LINES_IMPL if sys.argv[1] == "on" else k.IMPL)
+from dsa_aot.kernels import cutedsl_bwd_ws as ws, cutedsl_bwd_ws_slot_major as sm
+heads = int(sys.argv[2])
+if sys.argv[1] == "on":
+    sm.compile_bwd_dq_lines("sm_90a", 576, heads, "noncompact")
+elif heads in ws.HEADS:
+    ws.compile_bwd_ws("sm_90a", 576, heads, "noncompact")
+else:
+    sm.compile_bwd_ws_slot_major("sm_90a", 576, heads, "noncompact")
 ptx = [p for p in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")) if "bwd_ws" in p]
 text = open(ptx[0]).read()
-print(text.count("ld.shared.v4.b32"), text.count("st.global.v4.b32"), text.count("st.global.b32"))
+print(text.count("ld.shared.v4.b32"), text.count("st.global.v4.b32"),
+      text.count("st.global.b32") + text.count("st.global.b16"))
 """
 
 
 @needs_cute_dsl
-@pytest.mark.parametrize(("switch", "heads"), [("on", 64), ("off", 64), ("on", 128)])
+@pytest.mark.parametrize(("switch", "heads"), [("on", 64), ("off", 64), ("on", 128), ("on", 16),
+                                               ("off", 16), ("on", 32)])
 def test_dq_lines_flavour_stores_whole_lines(tmp_path: Path, monkeypatch, switch: str,
                                              heads: int) -> None:
     """``impl=wgmma_ws_dq_lines`` (``DQ_STAGED``) stores dQ 16 bytes a lane after a round through
-    shared memory (D576: 9 column tiles of 64 x 64, 4 rows a lane each); the default flavour
-    stores 4 bytes per column pair."""
+    shared memory (D576: 9 column tiles, 16 rows of 8 lanes a pass, 4 passes at H64/H128, one per
+    16 heads at H16/H32); the defaults store 4 bytes per column pair (``wgmma_ws``) or 2 bytes
+    an element (``wgmma_ws_slot_major``, ``dQ^T`` in the accumulators)."""
     monkeypatch.setenv("CUTE_DSL_KEEP_PTX", "1")
     monkeypatch.setenv("CUTE_DSL_DUMP_DIR", str(tmp_path))
     script = tmp_path / "dq.py"
@@ -482,8 +490,51 @@ def test_dq_lines_flavour_stores_whole_lines(tmp_path: Path, monkeypatch, switch
                           check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loads, wide_stores, narrow_stores = map(int, proc.stdout.split())
-    tiles, values_a_thread = 576 // 64, 64 * 64 // 128
+    tiles = 576 // 64
+    cta_heads = min(heads, 64)
     if switch == "off":
-        assert (loads, wide_stores, narrow_stores) == (0, 0, tiles * values_a_thread // 2)
+        values_a_thread = 64 * cta_heads // 128  # a 64-column tile of the CTA's heads
+        per_store = 2 if heads >= 64 else 1
+        assert (loads, wide_stores, narrow_stores) == (0, 0, tiles * values_a_thread // per_store)
     else:
-        assert (loads, wide_stores, narrow_stores) == (tiles * 4, tiles * 4, 0)
+        passes = 4 if heads >= 64 else cta_heads // 16
+        assert (loads, wide_stores, narrow_stores) == (tiles * passes, tiles * passes, 0)
+
+
+_SW128_CHECK = """
+import cutlass.cute as cute
+from dsa_aot.kernels import cutedsl_bwd_ws as k
+from dsa_aot.kernels.cutedsl_common import sw128_offset
+
+def run_checks():  # plain Python loops, called while tracing (a jit body's loops are the kernel's)
+    for d in (512, 576):
+        lay = k.ws_smem_layouts(d, 16)["kv"]
+        print("swizzle", str(lay.inner))
+        bad = 0
+        for r in range(k.BLOCK_N):
+            for tile in range(d // 64):
+                for c in range(8):
+                    linear = 2 * lay.outer((r, tile * 64 + c * 8))  # bytes, before the swizzle
+                    swizzled = linear ^ (((linear >> 7) & 7) << 4)  # S<3,4,3> on byte addresses
+                    bad += swizzled != tile * k.BLOCK_N * 128 + sw128_offset(r, c)
+        print("bad", d, bad)
+
+@cute.jit
+def check():
+    run_checks()
+
+check()
+"""
+
+
+@needs_cute_dsl
+def test_staged_dq_addresses_are_the_kv_tiles_swizzled_rows(tmp_path: Path) -> None:
+    """The staged dQ read-back (``sw128_offset`` + 8 KiB a column tile) addresses exactly the KV
+    tile's element ``[row, tile * 64 + chunk * 8]`` under its 128-byte swizzle, the one the
+    ``dQ`` tiles are written through (the tile is 1 KiB aligned, so the byte address's bits 7-9
+    are the row's)."""
+    proc = run_dsl_script(_SW128_CHECK, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split() for line in proc.stdout.splitlines()]
+    assert [line[1] for line in lines if line[0] == "swizzle"] == ["S<3,4,3>"] * 2, proc.stdout
+    assert [line[2] for line in lines if line[0] == "bad"] == ["0", "0"], proc.stdout
