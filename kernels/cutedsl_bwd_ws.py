@@ -117,7 +117,9 @@ PERSISTENT_MIN_CTAS = 264
 #: middle of the row: the two CTAs of a row add into different dKV rows at any one time.
 STAGGERED_IMPL = "wgmma_ws_staggered"
 #: The fast mode's default order (:data:`IMPL` at H64, :data:`STAGGERED_IMPL` at H128) with
-#: dQ stored in whole 128-byte lines through shared memory (:attr:`SparseMlaBwdWs.DQ_STAGED`).
+#: dQ stored in whole 128-byte lines through shared memory (:attr:`SparseMlaBwdWs.DQ_STAGED`);
+#: at H16/H32 the slot-major default's (``cutedsl_bwd_ws_slot_major.compile_bwd_dq_lines``
+#: builds every head count).
 DQ_LINES_IMPL = "wgmma_ws_dq_lines"
 #: Head counts this flavour supports (whole 64-head blocks).
 HEADS = (64, 128)
