@@ -49,6 +49,9 @@ def main() -> int:
                     help="profile this non-default tile (as bench_sparse_mla.py --variant) instead of the "
                     "spec the loader picks, e.g. bwd:cutedsl:flavour=wgmma_ws_dq_lines")
     args = ap.parse_args()
+    if args.variant and (args.op != "bwd" or args.deterministic):
+        ap.error("--variant profiles a fast-mode backward tile: use it with --op bwd, without "
+                 "--deterministic")
     if not torch.cuda.is_available():
         print("profile_pair.py needs a CUDA GPU", file=sys.stderr)
         return 2

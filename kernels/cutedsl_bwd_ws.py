@@ -97,10 +97,9 @@ from dsa_aot.kernels.cutedsl_bwd_main import (BLOCK_H, BLOCK_N, LOG2E, Determini
                                               compile_flavour, score_gemms, wg_gemm)
 from dsa_aot.kernels.cutedsl_fixed_point import (add_fixed, chunk_max, fixed_scales, flush_max,
                                                  fold_max, launch_skipped)
-from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, LAYOUTS, VEC,
-                                            copy_16_shared_to_global, gather_row_zfill, l2_policy,
-                                            store_bf16x2_hint, sw128_offset, wg_acc_as_a,
-                                            wg_rows_cols)
+from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, D_V, LAYOUTS, VEC, gather_row_zfill,
+                                            l2_policy, store_bf16x2_hint, store_staged_row,
+                                            wg_acc_as_a, wg_rows_cols)
 
 #: The ``impl`` name of this flavour (the build's ``tile.flavour``), and of its deterministic
 #: mode with fixed-point adds (the default deterministic mode stores rows).
@@ -936,10 +935,8 @@ class SparseMlaBwdWs(SparseMlaBwdMain):
             # 16 rows a warp, 4 rows of 8 lanes a pass
             r = (wtid // 32) * 16 + k * 4 + lane // (TILE // VEC)
             g_row = g_base + Int64(r) * Int64(m_dq.stride[1]) * 2 + chunk * VEC * 2
-            s_row = s_base + sw128_offset(r, chunk)
-            for i in cutlass.range_constexpr(len(acc_dq)):
-                tile = first_tile + i
-                copy_16_shared_to_global(s_row + tile * BLOCK_H * 128, g_row + tile * TILE * 2)
+            store_staged_row(s_base, BLOCK_H, r, chunk, range(first_tile, first_tile + len(acc_dq)),
+                             g_row)
 
 
 class SparseMlaBwdWsCompact(SparseMlaBwdWs, SparseMlaBwdMainCompact):

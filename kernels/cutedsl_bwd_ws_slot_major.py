@@ -81,8 +81,8 @@ from dsa_aot.kernels.cutedsl_bwd_slot_major import (slot_major_tiled_ops,
 from dsa_aot.kernels.cutedsl_bwd_ws import (BAR_PDS_EMPTY, BAR_PDS_FULL, BAR_SCORE, BLOCK_N,
                                             LAYOUT_ORDER, THREADS, TILE, WG_THREADS,
                                             SparseMlaBwdWs)
-from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, LAYOUTS, VEC, copy_16_shared_to_global,
-                                            sw128_offset, wg_rows_cols)
+from dsa_aot.kernels.cutedsl_common import (D_QK_CHOICES, LAYOUTS, VEC, store_staged_row,
+                                            wg_rows_cols)
 
 #: The ``impl`` name of this flavour (the build's ``tile.flavour``).
 IMPL = "wgmma_ws_slot_major"
@@ -307,11 +307,8 @@ class SparseMlaBwdWsSlotMajor(SparseMlaBwdWs):
         rows_a_pass = WG_THREADS // (TILE // VEC)
         for p in cutlass.range_constexpr(heads // rows_a_pass):
             r = p * rows_a_pass + wtid // (TILE // VEC)
-            g_row = g_base + Int64(r) * Int64(m_dq.stride[1]) * 2
-            s_row = s_base + sw128_offset(r, chunk)
-            for i in cutlass.range_constexpr(len(acc_dq)):
-                # column tile i of the KV tile: BLOCK_N rows of 128 bytes
-                copy_16_shared_to_global(s_row + i * BLOCK_N * 128, g_row + i * TILE * 2)
+            store_staged_row(s_base, BLOCK_N, r, chunk, range(len(acc_dq)),
+                             g_base + Int64(r) * Int64(m_dq.stride[1]) * 2)
 
 
 class SparseMlaBwdWsSlotMajorCompact(SparseMlaBwdWsSlotMajor, SparseMlaBwdMainCompact):

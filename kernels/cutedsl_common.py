@@ -175,6 +175,16 @@ def copy_16_shared_to_global(src: Int32, dst: Int64, *, loc=None, ip=None) -> No
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
+def store_staged_row(s_tiles: Int32, tile_rows: int, row, chunk, tiles, g_chunk: Int64) -> None:
+    """Store 16-byte ``chunk`` of ``row`` of each 64-column tile in ``tiles`` (constexpr
+    indices) from swizzled K-major tiles of ``tile_rows`` rows at shared ``s_tiles`` to global,
+    where ``g_chunk`` is the chunk's address in tile 0's columns (a staged epilogue's whole-line
+    stores: 8 lanes of ``chunk`` 0-7 write one 128-byte line)."""
+    s_row = s_tiles + sw128_offset(row, chunk)
+    for tile in tiles:
+        copy_16_shared_to_global(s_row + tile * tile_rows * 128, g_chunk + tile * 128)
+
+
 @cutlass.dsl_user_op
 def l2_policy(kind: cutlass.Constexpr, *, loc=None, ip=None) -> Int64:
     """A ``createpolicy`` L2 cache policy for all of a load's or store's lines, ``kind``
